@@ -1,0 +1,443 @@
+"""Run configuration: dataclasses filled from Megatron-compatible flags or a YAML file, validated once.
+
+Every flag of ../shared/design/INTERFACE.md maps to one dataclass field of the same name (dashes become
+underscores). `parse_config(argv, world_size)` is the only entry point: it applies a `--model-preset`,
+then a `--config FILE.yaml`, then the explicit flags (flags win), and validates the result against the
+world size before any process group exists, so that a bad layout fails on every rank with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import yaml
+
+from megatron_lite.presets import MODEL_PRESETS
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line per problem, each saying what to change."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 128
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    num_attention_heads: int = 4
+    group_query_attention: bool = False
+    num_query_groups: int | None = None  # default num_attention_heads (plain multi-head attention)
+    seq_length: int = 128
+    max_position_embeddings: int | None = None  # default seq_length
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    openai_gelu: bool = False  # GPT-2's tanh approximation of GELU instead of the exact erf form
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    untie_embeddings_and_output_weights: bool = False
+    disable_bias_linear: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    vocab_size: int | None = None  # only with --mock-data; otherwise the tokenizer's
+    make_vocab_size_divisible_by: int = 128
+    model_preset: str | None = None
+    # Mixture of Experts
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_expert_capacity_factor: float | None = None
+    moe_layer_freq: int = 1
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_pre_softmax: bool = False
+    # Execution choices that change no numbers
+    recompute_granularity: str | None = None
+    recompute_num_layers: int | None = None
+    attention_backend: str = "auto"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    cp_comm_type: str = "p2p"
+    expert_model_parallel_size: int = 1
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    data_parallel_size: int = 1  # derived from the world size, never a flag
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: int | None = None  # default train_iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None  # a fixed fp16 loss scale; dynamic when unset
+    initial_loss_scale: float = 2.0**32
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = field(default_factory=list)
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer_type: str = "NullTokenizer"
+    tokenizer_model: str | None = None
+    num_workers: int = 0
+    data_cache_path: str | None = None
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # default micro_batch_size * data parallel size
+    train_iters: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    seed: int = 1234
+    device: str = "auto"
+    exit_signal_handler: bool = False
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    async_save: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    keep_last_n: int | None = None
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    tensorboard_dir: str | None = None
+    metrics_jsonl: str | None = None
+    peak_tflops: float | None = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def sections(self):
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def num_microbatches(self) -> int:
+        p, t = self.parallel, self.training
+        return t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
+
+
+# Flags that are switches (store_true) and flags that take several values; the rest take one value
+# whose type is read off the dataclass field.
+_CHOICES = {
+    "normalization": ["LayerNorm", "RMSNorm"],
+    "position_embedding_type": ["learned_absolute", "rope"],
+    "moe_token_dispatcher_type": ["alltoall", "allgather"],
+    "cp_comm_type": ["p2p", "allgather"],
+    "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    "lr_decay_style": ["constant", "linear", "cosine"],
+    "recompute_granularity": ["full", "selective"],
+    "attention_backend": ["auto", "flash", "sdpa"],
+    "device": ["auto", "cuda", "cpu"],
+    "tokenizer_type": ["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
+}
+_DERIVED = {"data_parallel_size"}
+
+
+def _field_owner() -> dict[str, str]:
+    """Map every flag's field name to the section that holds it."""
+    owner = {}
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory()):
+            if f.name not in _DERIVED:
+                owner[f.name] = section.name
+    return owner
+
+
+def _value_type(f: dataclasses.Field):
+    text = str(f.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("list", list), ("str", str)):
+        if text.startswith(name):
+            return kind
+    raise TypeError(f"config field {f.name} has an unsupported type {f.type}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Pretrain a GPT or Llama model (dense or MoE) with TP/SP/CP/PP/EP/DP and ZeRO.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", help="YAML file of flag values (keys are flag names, _ for -); flags win")
+    for section in dataclasses.fields(Config):
+        group = parser.add_argument_group(section.name)
+        for f in dataclasses.fields(section.default_factory()):
+            if f.name in _DERIVED:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = _value_type(f)
+            help_text = f"default: {f.default if f.default is not dataclasses.MISSING else '[]'}"
+            if kind is bool:
+                group.add_argument(flag, action="store_true", help=help_text)
+            elif kind is list:
+                group.add_argument(flag, nargs="+", help="[WEIGHT] PREFIX [[WEIGHT] PREFIX ...]")
+            else:
+                group.add_argument(flag, type=kind, choices=_CHOICES.get(f.name), help=help_text)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None, world_size: int = 1) -> Config:
+    """Build and validate the run configuration: preset < YAML file < command-line flags."""
+    parser = build_parser()
+    try:
+        flags = vars(parser.parse_args(argv))
+    except SystemExit as exit_:
+        if exit_.code:
+            raise ConfigError("invalid command line (see the usage line above)") from None
+        raise
+    values = {}
+    if "config" in flags:
+        values.update(_read_yaml(flags.pop("config")))
+    values.update(flags)
+    return make_config(values, world_size)
+
+
+def make_config(values: dict, world_size: int = 1) -> Config:
+    """Build a validated Config from flat flag values (field names), applying a model preset first."""
+    owner = _field_owner()
+    merged = {}
+    preset = values.get("model_preset")
+    if preset is not None:
+        if preset not in MODEL_PRESETS:
+            raise ConfigError(f"unknown --model-preset '{preset}'; choose one of: {', '.join(MODEL_PRESETS)}")
+        merged.update(MODEL_PRESETS[preset])
+    merged.update(values)
+    config = Config()
+    for name, value in merged.items():
+        if name not in owner:
+            raise ConfigError(f"unknown configuration key '{name}'; see pretrain_gpt.py --help")
+        setattr(getattr(config, owner[name]), name, value)
+    _fill_defaults(config, world_size)
+    validate(config, world_size)
+    return config
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"--config file not found: {path}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of flag names to values")
+    return {key.replace("-", "_"): value for key, value in raw.items()}
+
+
+def _fill_defaults(config: Config, world_size: int) -> None:
+    m, p, t, o = config.model, config.parallel, config.training, config.optimizer
+    m.ffn_hidden_size = m.ffn_hidden_size or 4 * m.hidden_size
+    m.moe_ffn_hidden_size = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    if not m.group_query_attention or m.num_query_groups is None:
+        m.num_query_groups = m.num_attention_heads
+    m.max_position_embeddings = m.max_position_embeddings or m.seq_length
+    model_parallel = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
+    p.data_parallel_size = max(world_size // model_parallel, 1)
+    if p.use_distributed_optimizer and p.data_parallel_sharding_strategy == "no_shard":
+        p.data_parallel_sharding_strategy = "optim_grads"
+    t.global_batch_size = t.global_batch_size or t.micro_batch_size * p.data_parallel_size
+    o.lr_decay_iters = o.lr_decay_iters or t.train_iters
+
+
+def validate(config: Config, world_size: int) -> None:
+    """Check everything that can be checked before a process group exists; raise one ConfigError."""
+    problems = _layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _layout_problems(config: Config, world_size: int) -> list[str]:
+    m, p = config.model, config.parallel
+    tp, cp, pp, ep = (p.tensor_model_parallel_size, p.context_parallel_size,
+                      p.pipeline_model_parallel_size, p.expert_model_parallel_size)
+    problems = []
+    for name, size in (("tensor-model-parallel-size", tp), ("context-parallel-size", cp),
+                       ("pipeline-model-parallel-size", pp), ("expert-model-parallel-size", ep)):
+        if size < 1:
+            problems.append(f"{name} ({size}) must be at least 1")
+    if problems:
+        return problems
+    if world_size % (tp * cp * pp):
+        problems.append(
+            f"world size ({world_size}) must be divisible by tensor-model-parallel-size ({tp}) x "
+            f"context-parallel-size ({cp}) x pipeline-model-parallel-size ({pp}) = {tp * cp * pp}; "
+            f"change the layout or the number of processes")
+        return problems
+    dp = p.data_parallel_size
+    if m.num_attention_heads % tp:
+        problems.append(f"num-attention-heads ({m.num_attention_heads}) must be divisible by "
+                        f"tensor-model-parallel-size ({tp})")
+    if m.num_query_groups % tp:
+        problems.append(f"num-query-groups ({m.num_query_groups}) must be divisible by "
+                        f"tensor-model-parallel-size ({tp})")
+    if p.sequence_parallel and tp == 1:
+        problems.append("--sequence-parallel needs tensor-model-parallel-size > 1; drop the flag or raise TP")
+    if p.sequence_parallel and (m.seq_length // cp) % tp:
+        problems.append(f"seq-length / context-parallel-size ({m.seq_length // cp}) must be divisible by "
+                        f"tensor-model-parallel-size ({tp}) with --sequence-parallel")
+    if cp > 1 and m.seq_length % (2 * cp):
+        problems.append(f"seq-length ({m.seq_length}) must be divisible by 2 x context-parallel-size "
+                        f"({2 * cp}) for load-balanced context parallelism")
+    if (dp * cp) % ep:
+        problems.append(f"expert-model-parallel-size ({ep}) must divide data-parallel x context-parallel "
+                        f"size ({dp} x {cp} = {dp * cp})")
+    if ep > 1 and not m.num_experts:
+        problems.append("--expert-model-parallel-size > 1 needs --num-experts")
+    if m.num_experts and m.num_experts % ep:
+        problems.append(f"num-experts ({m.num_experts}) must be divisible by expert-model-parallel-size ({ep})")
+    if p.num_layers_per_virtual_pipeline_stage is not None and pp == 1:
+        problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline-model-parallel-size > 1")
+    problems += _pipeline_split_problems(config)
+    return problems
+
+
+def pipeline_stage_layers(config: Config) -> list[int]:
+    """Number of layers on each pipeline stage (before virtual-stage interleaving)."""
+    m, p = config.model, config.parallel
+    pp = p.pipeline_model_parallel_size
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    middle_stages = pp - (first is not None) - (last is not None)
+    remaining = m.num_layers - (first or 0) - (last or 0)
+    per_middle = remaining // middle_stages if middle_stages else 0
+    counts = [per_middle] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def _pipeline_split_problems(config: Config) -> list[str]:
+    m, p = config.model, config.parallel
+    pp = p.pipeline_model_parallel_size
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if pp == 1:
+        if first is not None or last is not None:
+            return ["--decoder-first/last-pipeline-num-layers need pipeline-model-parallel-size > 1"]
+        return []
+    middle_stages = pp - (first is not None) - (last is not None)
+    remaining = m.num_layers - (first or 0) - (last or 0)
+    if middle_stages < 0 or remaining < 0 or (middle_stages == 0 and remaining != 0):
+        return [f"cannot split num-layers ({m.num_layers}) into {pp} pipeline stages with first="
+                f"{first} and last={last}; the counts must add up to num-layers"]
+    if middle_stages and (remaining % middle_stages or remaining == 0):
+        return [f"num-layers ({m.num_layers}) cannot be split evenly over {pp} pipeline stages; set "
+                f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"]
+    vp_layers = p.num_layers_per_virtual_pipeline_stage
+    if vp_layers is not None:
+        if first is not None or last is not None:
+            return ["--num-layers-per-virtual-pipeline-stage cannot be combined with an uneven split"]
+        per_stage = m.num_layers // pp
+        if vp_layers < 1 or per_stage % vp_layers:
+            return [f"layers per pipeline stage ({per_stage}) must be divisible by "
+                    f"num-layers-per-virtual-pipeline-stage ({vp_layers})"]
+        if config.num_microbatches % pp:
+            return [f"number of micro-batches ({config.num_microbatches}) must be divisible by "
+                    f"pipeline-model-parallel-size ({pp}) for the interleaved schedule"]
+    return []
+
+
+def _model_problems(config: Config) -> list[str]:
+    m = config.model
+    problems = []
+    if m.hidden_size % m.num_attention_heads:
+        problems.append(f"hidden-size ({m.hidden_size}) must be divisible by num-attention-heads "
+                        f"({m.num_attention_heads})")
+    if m.num_attention_heads % m.num_query_groups:
+        problems.append(f"num-attention-heads ({m.num_attention_heads}) must be divisible by "
+                        f"num-query-groups ({m.num_query_groups})")
+    if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
+        problems.append(f"seq-length ({m.seq_length}) exceeds max-position-embeddings "
+                        f"({m.max_position_embeddings}) with learned positions; raise "
+                        f"--max-position-embeddings or shorten --seq-length")
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        problems.append(f"rope needs an even head dimension, got {m.head_dim}")
+    if m.num_experts:
+        if m.moe_router_topk > m.num_experts:
+            problems.append(f"moe-router-topk ({m.moe_router_topk}) must not exceed num-experts "
+                            f"({m.num_experts})")
+        if m.moe_layer_freq < 1:
+            problems.append("moe-layer-freq must be at least 1")
+    if m.recompute_num_layers is not None and m.recompute_granularity != "full":
+        problems.append("--recompute-num-layers needs --recompute-granularity full")
+    return problems
+
+
+def _run_problems(config: Config) -> list[str]:
+    m, p, t, o, d = config.model, config.parallel, config.training, config.optimizer, config.data
+    problems = []
+    per_step = t.micro_batch_size * p.data_parallel_size
+    if t.global_batch_size % per_step:
+        problems.append(f"global-batch-size ({t.global_batch_size}) must be divisible by micro-batch-size "
+                        f"({t.micro_batch_size}) x data-parallel size ({p.data_parallel_size}) = {per_step}")
+    if not d.mock_data and not d.data_path:
+        problems.append("no training data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
+    if d.mock_data and not m.vocab_size:
+        problems.append("--mock-data needs --vocab-size (or a --model-preset that sets it)")
+    if o.bf16 and o.fp16:
+        problems.append("choose one of --bf16 and --fp16")
+    if o.min_lr > o.lr:
+        problems.append(f"min-lr ({o.min_lr}) must not exceed lr ({o.lr})")
+    if t.train_iters < 1:
+        problems.append("train-iters must be at least 1")
+    if t.micro_batch_size < 1:
+        problems.append("micro-batch-size must be at least 1")
+    if config.checkpoint.save_interval is not None and not config.checkpoint.save:
+        problems.append("--save-interval needs --save DIR")
+    if not math.isfinite(o.lr) or o.lr < 0:
+        problems.append(f"lr must be a non-negative number, got {o.lr}")
+    return problems

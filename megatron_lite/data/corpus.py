@@ -1,0 +1,117 @@
+"""Reads raw-text corpora (jsonl, json, parquet, arrow, txt, save_to_disk folders) as HF datasets.
+
+The `datasets` library does the reading, memory-mapped and in C++; this module only resolves
+paths, checks the requested columns, and turns a reader failure into a line that names the
+file and line to fix. A .txt file is one document.
+"""
+
+import json
+import os
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+
+
+def _format_of(path: str) -> str:
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in _FORMATS:
+        raise ValueError(f"{path}: unsupported input type {extension!r}; inputs are "
+                         f"{', '.join(_FORMATS)} files or a datasets.save_to_disk folder")
+    return _FORMATS[extension]
+
+
+def _is_saved_dataset(path: str) -> bool:
+    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, "state.json"))
+                                    or os.path.isfile(os.path.join(path, "dataset_dict.json")))
+
+
+def resolve_inputs(inputs: list[str]) -> tuple[str, list[str]]:
+    """(format, files) for the given files and folders; all inputs must share one format."""
+    files = []
+    for path in inputs:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"input {path} not found; check --input")
+        if _is_saved_dataset(path):
+            if len(inputs) > 1:
+                raise ValueError(f"{path} is a save_to_disk folder; pass it as the only --input")
+            return "saved", [path]
+        if os.path.isdir(path):
+            found = sorted(os.path.join(path, name) for name in os.listdir(path)
+                           if os.path.splitext(name)[1].lower() in _FORMATS)
+            if not found:
+                raise FileNotFoundError(f"input folder {path} holds no {', '.join(_FORMATS)} files")
+            files.extend(found)
+        else:
+            files.append(path)
+    formats = {_format_of(f) for f in files}
+    if len(formats) > 1:
+        raise ValueError(f"inputs mix formats {sorted(formats)}; preprocess each format separately "
+                         f"and join the outputs with tools/merge_datasets.py")
+    return formats.pop(), files
+
+
+def load_corpus(inputs: list[str], keys: list[str], cache_dir: str | None = None):
+    """The documents of `inputs` as a `datasets.Dataset` holding (at least) the columns `keys`."""
+    import datasets
+
+    kind, files = resolve_inputs(inputs)
+    if kind == "saved":
+        corpus = datasets.load_from_disk(files[0])
+        if isinstance(corpus, datasets.DatasetDict):
+            corpus = datasets.concatenate_datasets(list(corpus.values()))
+    else:
+        options = {"sample_by": "document"} if kind == "text" else {}
+        try:
+            corpus = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir,
+                                           **options)
+        except Exception:
+            for file in files:
+                _raise_first_bad_line(file, kind)
+            raise
+    for key in keys:
+        if key not in corpus.column_names:
+            raise ValueError(f"--json-keys {key!r} is not a column of {', '.join(inputs)} "
+                             f"(columns: {', '.join(corpus.column_names)})")
+        dtype = corpus.features[key]
+        if getattr(dtype, "dtype", None) not in ("string", "large_string"):
+            raise ValueError(f"column {key!r} of {', '.join(inputs)} holds {dtype}, not text; "
+                             f"choose a text column with --json-keys")
+    return corpus
+
+
+def _raise_first_bad_line(path: str, kind: str) -> None:
+    """Raise ValueError naming the first line of `path` that is not UTF-8 (or not JSON)."""
+    if kind not in ("json", "text"):
+        return
+    with open(path, "rb") as f:
+        first = f.read(4096).lstrip()
+        f.seek(0)
+        if kind == "json" and first.startswith(b"["):
+            return _check_json_array(path, f.read())
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: bytes that are not UTF-8 "
+                                 f"({raw[error.start:error.end]!r}); re-encode the file as UTF-8") from None
+            if kind == "json" and line.strip():
+                _check_json_line(path, line_number, line)
+
+
+def _check_json_line(path: str, line_number: int, line: str) -> None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{line_number}: malformed JSON line ({error.msg})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}:{line_number}: a jsonl line must be an object, got {type(record).__name__}")
+
+
+def _check_json_array(path: str, raw: bytes) -> None:
+    try:
+        json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise ValueError(f"{path}:{line}: bytes that are not UTF-8 ({raw[error.start:error.end]!r}); "
+                         f"re-encode the file as UTF-8") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{error.lineno}: malformed JSON ({error.msg})") from None

@@ -1,0 +1,196 @@
+"""Megatron's memory-mapped indexed dataset: the `.bin`/`.idx` pair that holds a tokenized corpus.
+
+The format is Megatron-LM's MMapIndexedDataset, byte for byte, so files made here load in
+Megatron-LM and the reverse. `PREFIX.bin` is the raw token array. `PREFIX.idx` is:
+
+    9 bytes   magic  b"MMIDIDX\\x00\\x00"
+    uint64    version (1)
+    uint8     dtype code of the .bin tokens (see DTYPE_CODES)
+    uint64    sequence count S
+    uint64    document count D (= number of documents + 1)
+    int32[S]  sequence lengths, in tokens
+    int64[S]  sequence pointers, byte offsets into the .bin
+    int64[D]  document indices: document k holds sequences [doc[k], doc[k+1])
+
+all little-endian. We write one sequence per document, so doc = [0, 1, ..., S].
+Reading maps both files and hands out numpy views: no token is copied until a caller asks.
+"""
+
+import os
+import struct
+
+import numpy as np
+
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+
+# Megatron's DType enum: the code stored in the .idx header for each token dtype.
+DTYPE_CODES = {
+    np.dtype(np.uint8): 1,
+    np.dtype(np.int8): 2,
+    np.dtype(np.int16): 3,
+    np.dtype(np.int32): 4,
+    np.dtype(np.int64): 5,
+    np.dtype(np.float64): 6,
+    np.dtype(np.float32): 7,
+    np.dtype(np.uint16): 8,
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+_HEADER = struct.Struct("<9sQBQQ")
+
+
+def bin_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def idx_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def smallest_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned/int dtype that holds token ids 0 .. vocab_size - 1.
+
+    Megatron picks uint16 below 65500 tokens and int32 above; we use every id uint16 can hold
+    and uint8 for byte-level vocabularies. Megatron reads all three.
+    """
+    if vocab_size <= 1 << 8:
+        return np.dtype(np.uint8)
+    if vocab_size <= 1 << 16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+def check_dtype_holds(dtype: np.dtype, vocab_size: int) -> None:
+    """Raise if token ids below vocab_size do not all fit in dtype."""
+    dtype = np.dtype(dtype)
+    if dtype not in DTYPE_CODES or dtype.kind not in "iu":
+        raise ValueError(f"token dtype {dtype} is not an integer dtype Megatron's format knows; "
+                         f"use one of uint8, uint16, int32, int64")
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise ValueError(f"the tokenizer's vocab ({vocab_size} ids) exceeds dtype {dtype} "
+                         f"(max id {np.iinfo(dtype).max}); use a wider --dtype or leave it unset")
+
+
+class IndexedDataset:
+    """Read-only view of `PREFIX.bin`/`PREFIX.idx`: `ds[i]` is sequence i as a numpy view."""
+
+    def __init__(self, prefix: str):
+        for path in (idx_path(prefix), bin_path(prefix)):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} not found; --data-path takes the prefix of a "
+                                        f"PREFIX.bin/PREFIX.idx pair made by tools/preprocess_data.py")
+        self.prefix = prefix
+        self._index = np.memmap(idx_path(prefix), dtype=np.uint8, mode="r")
+        if len(self._index) < _HEADER.size:
+            raise ValueError(f"{idx_path(prefix)} is truncated ({len(self._index)} bytes); "
+                             f"rerun tools/preprocess_data.py")
+        magic, version, code, n_seq, n_doc = _HEADER.unpack(self._index[: _HEADER.size].tobytes())
+        if magic != INDEX_MAGIC:
+            raise ValueError(f"{idx_path(prefix)} has magic {magic!r}, not {INDEX_MAGIC!r}: "
+                             f"not a Megatron MMapIndexedDataset index")
+        if version != INDEX_VERSION:
+            raise ValueError(f"{idx_path(prefix)} has index version {version}; only version "
+                             f"{INDEX_VERSION} is supported")
+        if code not in CODE_DTYPES:
+            raise ValueError(f"{idx_path(prefix)} has unknown dtype code {code}")
+        self.dtype = CODE_DTYPES[code]
+        expected = _HEADER.size + n_seq * (4 + 8) + n_doc * 8
+        if len(self._index) < expected:
+            raise ValueError(f"{idx_path(prefix)} is truncated ({len(self._index)} of {expected} "
+                             f"bytes); rerun tools/preprocess_data.py")
+        offset = _HEADER.size
+        self.sequence_lengths = np.frombuffer(self._index, np.int32, n_seq, offset)
+        offset += n_seq * 4
+        self.sequence_pointers = np.frombuffer(self._index, np.int64, n_seq, offset)
+        offset += n_seq * 8
+        self.document_indices = np.frombuffer(self._index, np.int64, n_doc, offset)
+
+        self._bin = np.memmap(bin_path(prefix), dtype=np.uint8, mode="r")
+        needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize \
+            if n_seq else 0
+        if len(self._bin) < needed:
+            raise ValueError(f"{bin_path(prefix)} is truncated ({len(self._bin)} of {needed} bytes); "
+                             f"rerun tools/preprocess_data.py")
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of sequence i, as a zero-copy view of the .bin."""
+        if length is None:
+            length = int(self.sequence_lengths[i]) - offset
+        start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, self.dtype, length, start)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+
+class IndexedDatasetBuilder:
+    """Writes a `.bin`/`.idx` pair under temporary names, renamed into place by `finalize`.
+
+    The .bin is renamed before the .idx, and a reader needs the .idx, so a crash at any point
+    leaves no pair that looks complete.
+    """
+
+    def __init__(self, prefix: str, dtype: np.dtype):
+        self.prefix = prefix
+        self.dtype = np.dtype(dtype)
+        check_dtype_holds(self.dtype, 1)
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        self._bin_tmp = bin_path(prefix) + ".tmp"
+        self._bin = open(self._bin_tmp, "wb")
+        self._sequence_lengths: list[int] = []
+        self._document_indices: list[int] = [0]
+
+    def add_document(self, tokens) -> None:
+        """Append one document, stored as one sequence, to the .bin."""
+        array = np.asarray(tokens)
+        if array.size and (array.min() < 0 or array.max() > np.iinfo(self.dtype).max):
+            raise ValueError(f"token id {array.max()} does not fit dtype {self.dtype}; "
+                             f"use a wider --dtype")
+        self._bin.write(array.astype(self.dtype, copy=False).tobytes())
+        self._sequence_lengths.append(int(array.size))
+        self._document_indices.append(len(self._sequence_lengths))
+
+    def add_index(self, prefix: str) -> None:
+        """Append every sequence and document of the dataset at `prefix` (to merge datasets)."""
+        other = IndexedDataset(prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(f"{prefix} holds {other.dtype} tokens but the merged output is "
+                             f"{self.dtype}; preprocess all inputs with the same tokenizer and --dtype")
+        offset = len(self._sequence_lengths)
+        self._sequence_lengths.extend(other.sequence_lengths.tolist())
+        self._document_indices.extend((other.document_indices[1:] + offset).tolist())
+        if len(other):
+            self._bin.write(other.get(0, 0, other.num_tokens))
+
+    def finalize(self) -> None:
+        """Write the .idx and move both files to their final names."""
+        self._bin.close()
+        lengths = np.asarray(self._sequence_lengths, dtype=np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
+        pointers *= self.dtype.itemsize
+        documents = np.asarray(self._document_indices, dtype=np.int64)
+        idx_tmp = idx_path(self.prefix) + ".tmp"
+        with open(idx_tmp, "wb") as f:
+            f.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, DTYPE_CODES[self.dtype],
+                                 len(lengths), len(documents)))
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(documents.tobytes())
+        os.replace(self._bin_tmp, bin_path(self.prefix))
+        os.replace(idx_tmp, idx_path(self.prefix))
+
+    def abort(self) -> None:
+        """Remove the temporary files after a failure."""
+        self._bin.close()
+        for path in (self._bin_tmp, idx_path(self.prefix) + ".tmp"):
+            if os.path.exists(path):
+                os.remove(path)

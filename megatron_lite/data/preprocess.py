@@ -1,0 +1,134 @@
+"""Tokenizes a raw-text corpus into Megatron `.bin`/`.idx` files, in parallel worker processes.
+
+The parent reads documents in batches (through `datasets`), worker processes tokenize them,
+and the parent writes the results in input order, so the output is the same for any number of
+workers. Each --json-keys column becomes its own `PREFIX_KEY_document` dataset, as in Megatron.
+"""
+
+import collections
+import multiprocessing
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from megatron_lite.data.corpus import load_corpus
+from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, check_dtype_holds, smallest_dtype
+from megatron_lite.data.tokenizers import build_tokenizer
+
+_BATCH_DOCUMENTS = 64
+
+# Batches in flight per worker: enough to keep workers busy, few enough to bound memory.
+_BATCHES_IN_FLIGHT = 4
+
+_worker_tokenizer = None
+_worker_append_eod = False
+_worker_dtype = np.dtype(np.int64)
+
+
+@dataclass
+class PreprocessStats:
+    """What one output dataset received."""
+
+    prefix: str
+    documents: int = 0
+    empty_documents: int = 0
+    tokens: int = 0
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron's output naming: `OUT_text_document` for --json-keys text."""
+    return f"{output_prefix}_{key}_document"
+
+
+def _init_worker(tokenizer_args: tuple, append_eod: bool, dtype: np.dtype) -> None:
+    global _worker_tokenizer, _worker_append_eod, _worker_dtype
+    _worker_tokenizer = build_tokenizer(*tokenizer_args)
+    _worker_append_eod = append_eod
+    _worker_dtype = dtype
+
+
+def _encode_batch(batch: dict[str, list]) -> dict[str, list[np.ndarray]]:
+    """Token arrays for a batch of documents per key; an empty document gives an empty array."""
+    encoded = {}
+    for key, texts in batch.items():
+        arrays = []
+        for text in texts:
+            ids = _worker_tokenizer.tokenize(text) if text else []
+            if ids and _worker_append_eod:
+                ids.append(_worker_tokenizer.eod)
+            arrays.append(np.array(ids, dtype=_worker_dtype))
+        encoded[key] = arrays
+    return encoded
+
+
+def preprocess(inputs: list[str], output_prefix: str, json_keys: list[str], tokenizer_type: str,
+               tokenizer_model: str | None = None, vocab_size: int | None = None, append_eod: bool = False,
+               workers: int = 1, dtype: str | None = None, cache_dir: str | None = None,
+               progress: bool = True) -> dict[str, PreprocessStats]:
+    """Tokenize `inputs` and write one indexed dataset per json key; returns what each received."""
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1 (got {workers})")
+    tokenizer_args = (tokenizer_type, tokenizer_model, vocab_size)
+    tokenizer = build_tokenizer(*tokenizer_args)
+    token_dtype = np.dtype(dtype) if dtype else smallest_dtype(tokenizer.vocab_size)
+    check_dtype_holds(token_dtype, tokenizer.vocab_size)
+    corpus = load_corpus(inputs, json_keys, cache_dir=cache_dir)
+
+    stats = {key: PreprocessStats(output_prefix_for(output_prefix, key)) for key in json_keys}
+    builders = {key: IndexedDatasetBuilder(stats[key].prefix, token_dtype) for key in json_keys}
+    batches = corpus.select_columns(json_keys).iter(batch_size=_BATCH_DOCUMENTS)
+    pool = None
+    try:
+        if workers == 1:
+            _init_worker(tokenizer_args, append_eod, token_dtype)
+            results = map(_encode_batch, batches)
+        else:
+            pool = multiprocessing.get_context("spawn").Pool(
+                workers, initializer=_init_worker, initargs=(tokenizer_args, append_eod, token_dtype))
+            results = _ordered_map(pool, batches, window=_BATCHES_IN_FLIGHT * workers)
+        _write(results, builders, stats, total=len(corpus), progress=progress)
+        for builder in builders.values():
+            builder.finalize()
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return stats
+
+
+def _ordered_map(pool, batches, window: int):
+    """`pool.imap(_encode_batch, batches)` with at most `window` batches read ahead.
+
+    imap reads its whole input as fast as it can; a corpus larger than memory needs the bound.
+    """
+    pending = collections.deque()
+    for batch in batches:
+        pending.append(pool.apply_async(_encode_batch, (batch,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _write(results, builders, stats, total: int, progress: bool) -> None:
+    start = time.perf_counter()
+    tokens = 0
+    with tqdm(total=total, unit="doc", disable=not progress, desc="tokenizing") as bar:
+        for encoded in results:
+            for key, arrays in encoded.items():
+                for array in arrays:
+                    if array.size == 0:
+                        stats[key].empty_documents += 1
+                        continue
+                    builders[key].add_document(array)
+                    stats[key].documents += 1
+                    stats[key].tokens += array.size
+                    tokens += array.size
+            bar.update(len(arrays))
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s",
+                                refresh=False)

@@ -1,0 +1,115 @@
+"""Causal self-attention with grouped-query attention, rotary embeddings and swappable kernels.
+
+The fused QKV weight is laid out per query group, as in Megatron: for each of the `ng` groups,
+the group's `nh/ng` query heads, then its key head, then its value head. Tensor parallelism splits the
+groups across ranks, so each rank's contiguous slice of the QKV output holds whole groups and
+attention runs on local heads with no communication; the output projection is row-parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.parallel.random import RNGTracker, checkpoint
+from megatron_lite.parallel.state import ParallelState
+
+try:  # optional CUDA kernel; torch SDPA is the portable fallback
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_func = None
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """RoPE (Su et al. 2021) in the "rotate half" layout used by Llama and Hugging Face."""
+
+    def __init__(self, head_dim: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[s] positions -> cos, sin of shape [s, 1, 1, head_dim] (broadcast over batch and heads)."""
+        freqs = torch.outer(position_ids.float(), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [s, b, n, d] query or key vectors by their positions' angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def choose_attention_backend(requested: str, device: torch.device) -> str:
+    """flash-attn on CUDA when installed (or when asked), else torch's scaled_dot_product_attention."""
+    if requested == "flash":
+        if flash_attn_func is None or device.type != "cuda":
+            raise RuntimeError("--attention-backend flash needs the flash-attn package and a CUDA device")
+        return "flash"
+    if requested == "auto" and flash_attn_func is not None and device.type == "cuda":
+        return "flash"
+    return "sdpa"
+
+
+class CoreAttention(torch.nn.Module):
+    """softmax(Q K^T / sqrt(d)) V over this rank's heads, causal, with key/value heads shared per group."""
+
+    def __init__(self, dropout: float, backend: str, rng_tracker: RNGTracker | None):
+        super().__init__()
+        self.dropout = dropout
+        self.backend = backend
+        self.rng_tracker = rng_tracker
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [s, b, nh, d], k/v [s, b, ng, d] -> [s, b, nh * d]."""
+        s, b = q.shape[:2]
+        dropout = self.dropout if self.training else 0.0
+        if self.backend == "flash":
+            out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                  dropout_p=dropout, causal=True)  # [b, s, nh, d]
+            return out.transpose(0, 1).reshape(s, b, -1)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        if dropout > 0 and self.rng_tracker is not None:
+            with self.rng_tracker.fork():  # heads are split over TP: masks must differ per TP rank
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [b, nh, s, d] -> [s, b, nh*d]
+
+
+class SelfAttention(torch.nn.Module):
+    """QKV projection (column-parallel) -> RoPE -> core attention -> output projection (row-parallel)."""
+
+    def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool,
+                 backend: str, rng_tracker: RNGTracker | None):
+        super().__init__()
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.local_groups = config.num_query_groups // pstate.tp_size
+        self.head_dim = config.head_dim
+        bias = not config.disable_bias_linear
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, pstate, bias=bias,
+                                               sequence_parallel=sequence_parallel)
+        self.core_attention = CoreAttention(config.attention_dropout, backend, rng_tracker)
+        self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                             pstate, bias=bias, sequence_parallel=sequence_parallel)
+        self.recompute_core_attention = False
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, ng/tp * (nh/ng + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.local_groups * self.heads_per_group, self.head_dim)  # [s, b, nh/tp, d]
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, d]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.recompute_core_attention and self.training:
+            out = checkpoint(self.core_attention, self.core_attention.rng_tracker, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
+        return self.linear_proj(out)

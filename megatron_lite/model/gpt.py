@@ -1,0 +1,155 @@
+"""GPTModel: embedding -> transformer layers [start, end) -> final norm -> output layer and loss.
+
+One class covers GPT-2 (LayerNorm, GELU, learned positions, biases, tied embeddings) and Llama
+(RMSNorm, SwiGLU, RoPE, GQA, untied, no biases) by configuration. A model chunk may hold any
+contiguous range of layers, with the embedding only on the first pipeline stage (`pre_process`) and
+the output layer only on the last (`post_process`); the pipeline schedule feeds the others through
+`set_input_tensor`. Parameters have global names (`decoder.layers.<global index>...`) that decide
+their initial values and their checkpoint keys, so neither depends on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.attention import RotaryEmbedding, choose_attention_backend
+from megatron_lite.model.sharding import ShardSpec, initialize_parameters, new_parameter
+from megatron_lite.model.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from megatron_lite.model.transformer import HiddenDropout, TransformerBlock, TransformerLayer
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.random import RNGTracker
+from megatron_lite.parallel.state import ParallelState
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Round the vocabulary up so every TP rank holds an equal, well-aligned slice of it."""
+    multiple = divisible_by * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+class Embedding(torch.nn.Module):
+    """Word embeddings (vocab-parallel) plus learned absolute positions when configured, then dropout."""
+
+    def __init__(self, config: ModelConfig, pstate: ParallelState, padded_vocab: int, *,
+                 sequence_parallel: bool, rng_tracker: RNGTracker | None):
+        super().__init__()
+        self.pstate = pstate
+        self.sequence_parallel = sequence_parallel
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab, config.vocab_size, config.hidden_size,
+                                                      pstate, sequence_parallel=sequence_parallel)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            spec = ShardSpec((config.max_position_embeddings, config.hidden_size),
+                             sequence_parallel=sequence_parallel)
+            self.position_embeddings = new_parameter(spec, 1)
+        self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)  # [s, b, h], or [s/tp, b, h] with sequence parallelism
+        if self.position_embeddings is not None:
+            if self.sequence_parallel:
+                position_ids = position_ids.chunk(self.pstate.tp_size)[self.pstate.tp_rank]
+            x = x + self.position_embeddings[position_ids].unsqueeze(1)
+        return self.dropout(x)
+
+
+class GPTModel(torch.nn.Module):
+    """A decoder-only language model chunk holding global layers [layer_offset, layer_offset + num_layers)."""
+
+    def __init__(self, config: ModelConfig, pstate: ParallelState, *, padded_vocab: int, seed: int,
+                 pre_process: bool = True, post_process: bool = True, layer_offset: int = 0,
+                 num_layers: int | None = None, sequence_parallel: bool = False,
+                 device: torch.device | None = None, mlp_factory=None):
+        super().__init__()
+        device = device or torch.device("cpu")
+        self.config = config
+        self.pstate = pstate
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_offset = layer_offset
+        self.sequence_parallel = sequence_parallel
+        self.share_embeddings = not config.untie_embeddings_and_output_weights
+        self.input_tensor = None
+        num_layers = config.num_layers if num_layers is None else num_layers
+        tracker = RNGTracker(seed, pstate.tp_rank, pstate.pp_rank, device)
+        backend = choose_attention_backend(config.attention_backend, device)
+
+        if pre_process:
+            self.embedding = Embedding(config, pstate, padded_vocab, sequence_parallel=sequence_parallel,
+                                       rng_tracker=tracker)
+        self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base)
+                       if config.position_embedding_type == "rope" else None)
+        layers = []
+        for number in range(layer_offset, layer_offset + num_layers):
+            mlp = mlp_factory(number) if mlp_factory is not None else None
+            layers.append(TransformerLayer(config, pstate, number, sequence_parallel=sequence_parallel,
+                                           attention_backend=backend, rng_tracker=tracker, mlp=mlp))
+        self.decoder = TransformerBlock(layers, config, final_norm=post_process,
+                                        sequence_parallel=sequence_parallel, rng_tracker=tracker)
+        if post_process:
+            self.output_layer = ColumnParallelLinear(config.hidden_size, padded_vocab, pstate, bias=False,
+                                                     sequence_parallel=sequence_parallel)
+            self.output_layer.weight.spec.valid_rows = config.vocab_size
+            if self.share_embeddings and pre_process:
+                self.output_layer.weight = None  # the output layer reads the input embedding table
+        initialize_parameters(self.named_global_parameters(), seed, config.init_method_std, config.num_layers,
+                              pstate.tp_rank, pstate.tp_size)
+        self.to(device)
+
+    # ----------------------------------------------------------------------------------------------
+    def global_name(self, local_name: str) -> str:
+        """The layout-independent name of a parameter: global layer index; a last stage's copy of tied
+        embeddings is the word-embedding table itself."""
+        if self.share_embeddings and local_name == "output_layer.weight":
+            return WORD_EMBEDDINGS
+        return re.sub(r"^decoder\.layers\.(\d+)\.",
+                      lambda m: f"decoder.layers.{int(m.group(1)) + self.layer_offset}.", local_name)
+
+    def named_global_parameters(self):
+        for name, param in self.named_parameters():
+            yield self.global_name(name), param
+
+    def shared_embedding_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters kept equal between the first and last pipeline stage (tied embeddings)."""
+        if not self.share_embeddings or self.pre_process == self.post_process:
+            return []
+        return [self.embedding.word_embeddings.weight if self.pre_process else self.output_layer.weight]
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Activations from the previous pipeline stage, used instead of the embedding."""
+        self.input_tensor = tensor
+
+    # ----------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, labels [b, s]; position_ids [s].
+
+        Returns the per-token loss [b, s] on the last stage when labels are given, this rank's vocab
+        slice of the logits [b, s, v/tp] when not, and the hidden states [s(/tp), b, h] elsewhere.
+        """
+        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
+        rotary = self.rotary(position_ids) if self.rotary is not None else None
+        x = self.decoder(x, rotary)
+        if not self.post_process:
+            return x
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits = self.output_layer(x, weight)  # [s, b, v/tp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.pstate, self.config.vocab_size)
+        return loss.t()  # [b, s]
+
+
+def gather_vocab_logits(logits: torch.Tensor, pstate: ParallelState, vocab_size: int) -> torch.Tensor:
+    """[b, s, v/tp] slices -> [b, s, vocab_size]: the full logits without vocabulary padding."""
+    full = mappings.all_gather_along_dim(logits.contiguous(), pstate.group("tp"), -1)
+    return full[..., :vocab_size]

@@ -1,0 +1,37 @@
+"""The dense feed-forward block: fc1 (column-parallel) -> GELU or SwiGLU -> fc2 (row-parallel)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.parallel.state import ParallelState
+
+
+def activation(config: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """GELU (exact, or GPT-2's tanh form) on fc1's output, or SwiGLU on its [gate; up] halves."""
+    if config.swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(x, approximate="tanh" if config.openai_gelu else "none")
+
+
+class MLP(torch.nn.Module):
+    """h -> ffn -> h. With SwiGLU, fc1 produces [gate; up] (2 x ffn); each TP rank holds its slice of both."""
+
+    def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool,
+                 ffn_hidden_size: int | None = None):
+        super().__init__()
+        self.config = config
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        bias = not config.disable_bias_linear
+        chunks = 2 if config.swiglu else 1
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, chunks * ffn, pstate, bias=bias,
+                                               sequence_parallel=sequence_parallel, tp_chunks=chunks)
+        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, pstate, bias=bias,
+                                            sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(activation(self.config, self.linear_fc1(x)))

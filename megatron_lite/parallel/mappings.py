@@ -1,0 +1,189 @@
+"""Autograd-aware collectives, named after the region of the model they enter or leave.
+
+Each function is a pair (forward op, backward op) that are adjoint to each other, so that gradients of
+a tensor-parallel layer are exactly the gradients of the unsplit layer:
+
+  copy_to_tensor_parallel_region           identity        | all-reduce
+  reduce_from_tensor_parallel_region       all-reduce      | identity
+  scatter_to_tensor_parallel_region        split last dim  | all-gather last dim
+  gather_from_tensor_parallel_region       all-gather last | split last dim
+  scatter_to_sequence_parallel_region      split dim 0     | all-gather dim 0
+  gather_from_sequence_parallel_region     all-gather dim 0| reduce-scatter dim 0 (or split)
+  reduce_scatter_to_sequence_parallel_region reduce-scatter | all-gather dim 0
+
+A group of None means "no parallelism here" and every op is the identity. The module also holds the
+plain (non-autograd) collectives the rest of the package uses, so that no layer calls torch.distributed
+directly and a count of collectives (tests) can wrap one place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# ---------------------------------------------------------------------------------------------------
+# Plain collectives (no autograd). Every collective of the package goes through these functions.
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; a no-op without a group."""
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's tensor along dim 0."""
+    if group is None:
+        return tensor
+    size = dist.get_world_size(group)
+    tensor = tensor.contiguous()
+    out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_single(out, tensor, group=group)
+    return out
+
+
+def reduce_scatter_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ranks, each rank keeping its 1/size slice of dim 0."""
+    if group is None:
+        return tensor
+    size = dist.get_world_size(group)
+    tensor = tensor.contiguous()
+    out = torch.empty((tensor.shape[0] // size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    dist.reduce_scatter_single(out, tensor, group=group)
+    return out
+
+
+def split_along_dim(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's equal slice of `tensor` along `dim`."""
+    if group is None:
+        return tensor
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return tensor.chunk(size, dim=dim)[rank].contiguous()
+
+
+def all_gather_along_dim(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's tensor along `dim`."""
+    if group is None:
+        return tensor
+    gathered = all_gather_dim0(tensor.movedim(dim, 0), group)
+    return gathered.movedim(0, dim).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd functions: entering and leaving the tensor-parallel and sequence-parallel regions.
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along_dim(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along_dim(grad, ctx.group, -1), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_along_dim(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along_dim(grad, ctx.group, -1), None
+
+
+class _ScatterDim0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along_dim(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim0(grad, ctx.group), None
+
+
+class _GatherDim0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_feeds_tensor_parallel):
+        ctx.group = group
+        ctx.reduce_grad = output_feeds_tensor_parallel
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:
+            return reduce_scatter_dim0(grad, ctx.group), None, None
+        return split_along_dim(grad, ctx.group, 0), None, None
+
+
+class _ReduceScatterDim0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim0(grad, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(x, group):
+    """Enter a TP region with a replicated input: identity forward, all-reduce of the gradient."""
+    return x if group is None else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x, group):
+    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
+    return x if group is None else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x, group):
+    """Keep this rank's slice of the last dimension."""
+    return x if group is None else _ScatterLastDim.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x, group):
+    """Concatenate the ranks' slices of the last dimension."""
+    return x if group is None else _GatherLastDim.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    """[s, b, h] -> [s/tp, b, h]: keep this rank's slice of the sequence."""
+    return x if group is None else _ScatterDim0.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group, output_feeds_tensor_parallel=True):
+    """[s/tp, b, h] -> [s, b, h]. The gradient is reduce-scattered when the output feeds a TP layer
+    (each rank's gradient is a partial sum), else just split."""
+    return x if group is None else _GatherDim0.apply(x, group, output_feeds_tensor_parallel)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    """[s, b, h] partial sums -> [s/tp, b, h] full sums: the SP replacement of the TP all-reduce."""
+    return x if group is None else _ReduceScatterDim0.apply(x, group)

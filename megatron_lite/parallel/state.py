@@ -1,0 +1,244 @@
+"""ParallelState: which rank holds which piece of the model, and the process groups between them.
+
+World size = TP x CP x DP x PP with rank order tp-cp-dp-pp, fastest-varying first (Megatron's default),
+so a tensor-parallel group sits on adjacent ranks (one node's NVLink) and pipeline stages are furthest
+apart. Expert layers regroup the DP x CP ranks of a stage: EP ranks vary fastest, the remaining
+"expert data parallel" (EDP) ranks hold replicas of the same experts (order tp-ep-edp-pp).
+
+Groups, and what each is for:
+  tp          tensor-parallel shards of one layer (all-reduce / all-gather / reduce-scatter activations)
+  cp          context-parallel shards of the sequence (ring attention)
+  dp          data-parallel replicas (with cp=1, where non-expert gradients are reduced)
+  dp_cp       data x context parallel: where non-expert gradients are reduced, the optimizer sharded
+  pp          the pipeline stages holding one model replica (send/recv activations)
+  embedding   first and last pipeline stage (keeps tied input/output embeddings equal)
+  ep          expert-parallel ranks that split the experts of one layer (token all-to-all)
+  expert_dp   replicas of the same experts (where expert gradients are reduced)
+  model_parallel  tp x pp ranks of one replica (for global norms that skip replicas)
+
+The coordinate arithmetic is pure (`rank_coordinates`, `group_ranks`) and unit-tested without any
+process group. A `ParallelState` holds the groups for one layout; it is passed to whatever needs it,
+so one process can build several layouts (the tests compare a parallel layout with a single-device
+one in the same process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of parallelism. `dp` is the data-parallel size of the dense (non-expert) layers."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "cp", "dp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} size must be at least 1, got {getattr(self, name)}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"expert-model-parallel-size ({self.ep}) must divide data-parallel x "
+                             f"context-parallel size ({self.dp} x {self.cp})")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: replicas of each expert within one pipeline stage."""
+        return self.dp * self.cp // self.ep
+
+    @classmethod
+    def from_world(cls, world_size: int, tp=1, cp=1, pp=1, ep=1) -> Layout:
+        model_parallel = tp * cp * pp
+        if world_size % model_parallel:
+            raise ValueError(f"world size ({world_size}) must be divisible by tp x cp x pp "
+                             f"({tp} x {cp} x {pp} = {model_parallel})")
+        return cls(tp=tp, cp=cp, dp=world_size // model_parallel, pp=pp, ep=ep)
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where one rank sits: its index along every dimension of the dense and the expert layout."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    ep: int
+    edp: int
+
+
+def rank_coordinates(rank: int, layout: Layout) -> Coordinates:
+    """Pure function: global rank -> coordinates, rank order tp-cp-dp-pp (and tp-ep-edp-pp for experts)."""
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank} outside a world of {layout.world_size}")
+    tp = rank % layout.tp
+    cp = rank // layout.tp % layout.cp
+    dp = rank // (layout.tp * layout.cp) % layout.dp
+    pp = rank // (layout.tp * layout.cp * layout.dp)
+    dp_cp = rank // layout.tp % (layout.cp * layout.dp)  # index within the stage's dp x cp ranks
+    return Coordinates(tp=tp, cp=cp, dp=dp, pp=pp, ep=dp_cp % layout.ep, edp=dp_cp // layout.ep)
+
+
+def coordinates_rank(coords: dict, layout: Layout) -> int:
+    """Inverse of `rank_coordinates` for the dense dimensions tp, cp, dp, pp."""
+    return coords["tp"] + layout.tp * (coords["cp"] + layout.cp * (coords["dp"] + layout.dp * coords["pp"]))
+
+
+_DENSE_DIMS = ("tp", "cp", "dp", "pp")
+
+
+def group_ranks(layout: Layout, kind: str) -> list[list[int]]:
+    """All rank lists of one kind of group; every rank is in exactly one list of each kind."""
+    members: dict[tuple, list[int]] = {}
+    for rank in range(layout.world_size):
+        c = rank_coordinates(rank, layout)
+        key = _group_key(c, kind)
+        members.setdefault(key, []).append(rank)
+    return list(members.values())
+
+
+def _group_key(c: Coordinates, kind: str) -> tuple:
+    """Ranks in the same group share every coordinate except the ones the group spans."""
+    spans = {
+        "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp"),
+        "model_parallel": ("tp", "pp"), "ep": ("ep",), "expert_dp": ("edp",),
+    }[kind]
+    if kind in ("ep", "expert_dp"):
+        fixed = {"tp": c.tp, "pp": c.pp, "ep": c.ep, "edp": c.edp}
+        return tuple(v for k, v in fixed.items() if k not in spans)
+    return tuple(getattr(c, d) for d in _DENSE_DIMS if d not in spans)
+
+
+def embedding_group_ranks(layout: Layout) -> list[list[int]]:
+    """First and last pipeline stage of each pipeline: they hold the tied input/output embedding."""
+    return [sorted({ranks[0], ranks[-1]}) for ranks in group_ranks(layout, "pp")]
+
+
+_GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "model_parallel", "ep", "expert_dp")
+
+
+class ParallelState:
+    """The process groups of one layout, and this rank's place in it."""
+
+    def __init__(self, layout: Layout, rank: int, groups: dict[str, dist.ProcessGroup | None],
+                 pp_ranks: list[int]):
+        self.layout = layout
+        self.rank = rank
+        self.coords = rank_coordinates(rank, layout)
+        self._groups = groups
+        self.pp_ranks = pp_ranks  # global ranks of this rank's pipeline, stage order
+
+    @classmethod
+    def build(cls, layout: Layout) -> ParallelState:
+        """Create every group of `layout` on the default process group (a collective on all ranks)."""
+        world = dist.get_world_size()
+        if layout.world_size != world:
+            raise ValueError(f"layout {layout} needs {layout.world_size} ranks but the world has {world}")
+        rank = dist.get_rank()
+        groups: dict[str, dist.ProcessGroup | None] = {}
+        for kind in _GROUP_KINDS:
+            groups[kind] = _new_groups_containing(rank, group_ranks(layout, kind))
+        groups["embedding"] = _new_groups_containing(rank, embedding_group_ranks(layout))
+        pp_ranks = next(r for r in group_ranks(layout, "pp") if rank in r)
+        return cls(layout, rank, groups, pp_ranks)
+
+    @classmethod
+    def single(cls) -> ParallelState:
+        """A layout of one rank with no process groups: the single-device reference."""
+        return cls(Layout(), 0, dict.fromkeys((*_GROUP_KINDS, "embedding")), [0])
+
+    def group(self, kind: str) -> dist.ProcessGroup | None:
+        """The group of `kind` holding this rank (None when the layout has no such parallelism)."""
+        return self._groups[kind]
+
+    # Sizes and ranks, named as Megatron users know them.
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.coords.ep
+
+    @property
+    def edp_size(self) -> int:
+        return self.layout.edp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_rank(self) -> int | None:
+        """Global rank of the next pipeline stage (None on the last stage)."""
+        return None if self.is_last_stage else self.pp_ranks[self.pp_rank + 1]
+
+    @property
+    def prev_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage (None on the first stage)."""
+        return None if self.is_first_stage else self.pp_ranks[self.pp_rank - 1]
+
+    def __repr__(self) -> str:
+        return f"ParallelState(rank={self.rank}, {self.layout}, {self.coords})"
+
+
+def _new_groups_containing(rank: int, all_ranks: list[list[int]]) -> dist.ProcessGroup | None:
+    """Create every group of one kind (all ranks must call new_group for each); keep this rank's own.
+
+    Groups of one rank are never created: the collectives of a size-1 group are identities and the
+    mappings skip them when the group is None.
+    """
+    mine = None
+    for ranks in all_ranks:
+        if len(ranks) == 1:
+            continue
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine

@@ -1,0 +1,36 @@
+"""Named model shapes for `--model-preset`: each fills the model flags, which explicit flags override."""
+
+_LLAMA = {
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "position_embedding_type": "rope",
+    "untie_embeddings_and_output_weights": True,
+    "disable_bias_linear": True,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+    "group_query_attention": True,
+}
+
+MODEL_PRESETS: dict[str, dict] = {
+    "gpt2-124m": {
+        "num_layers": 12, "hidden_size": 768, "ffn_hidden_size": 3072, "num_attention_heads": 12,
+        "seq_length": 1024, "max_position_embeddings": 1024, "vocab_size": 50257,
+        "normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
+        "hidden_dropout": 0.1, "attention_dropout": 0.1, "init_method_std": 0.02, "openai_gelu": True,
+    },
+    "llama-tiny": {
+        **_LLAMA, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 384, "num_attention_heads": 4,
+        "num_query_groups": 2, "seq_length": 128, "max_position_embeddings": 128, "vocab_size": 1024,
+        "norm_epsilon": 1e-5, "rotary_base": 10000.0,
+    },
+    "llama3-8b": {
+        **_LLAMA, "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_attention_heads": 32,
+        "num_query_groups": 8, "seq_length": 8192, "max_position_embeddings": 8192, "vocab_size": 128256,
+        "norm_epsilon": 1e-5, "rotary_base": 500000.0, "init_method_std": 0.02,
+    },
+    "mixtral-tiny": {
+        **_LLAMA, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 256, "num_attention_heads": 4,
+        "num_query_groups": 2, "seq_length": 128, "max_position_embeddings": 128, "vocab_size": 1024,
+        "num_experts": 8, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
+    },
+}
