@@ -101,6 +101,8 @@ class GPTModel(torch.nn.Module):
             self.output_layer.weight.spec.valid_rows = config.vocab_size
             if self.share_embeddings and pre_process:
                 self.output_layer.weight = None  # the output layer reads the input embedding table
+            elif self.share_embeddings:
+                self.output_layer.weight.is_embedding_copy = True  # kept equal to the first stage's
         initialize_parameters(self.named_global_parameters(), seed, config.init_method_std, config.num_layers,
                               pstate.tp_rank, pstate.tp_size)
         self.to(device)

@@ -14,7 +14,8 @@ Groups, and what each is for:
   embedding   first and last pipeline stage (keeps tied input/output embeddings equal)
   ep          expert-parallel ranks that split the experts of one layer (token all-to-all)
   expert_dp   replicas of the same experts (where expert gradients are reduced)
-  model_parallel  tp x pp ranks of one replica (for global norms that skip replicas)
+  model_parallel  tp x pp ranks of one replica
+  world       every rank (global norms; None for a single-rank layout)
 
 The coordinate arithmetic is pure (`rank_coordinates`, `group_ranks`) and unit-tested without any
 process group. A `ParallelState` holds the groups for one layout; it is passed to whatever needs it,
@@ -149,13 +150,14 @@ class ParallelState:
         for kind in _GROUP_KINDS:
             groups[kind] = _new_groups_containing(rank, group_ranks(layout, kind))
         groups["embedding"] = _new_groups_containing(rank, embedding_group_ranks(layout))
+        groups["world"] = dist.group.WORLD if world > 1 else None
         pp_ranks = next(r for r in group_ranks(layout, "pp") if rank in r)
         return cls(layout, rank, groups, pp_ranks)
 
     @classmethod
     def single(cls) -> ParallelState:
         """A layout of one rank with no process groups: the single-device reference."""
-        return cls(Layout(), 0, dict.fromkeys((*_GROUP_KINDS, "embedding")), [0])
+        return cls(Layout(), 0, dict.fromkeys((*_GROUP_KINDS, "embedding", "world")), [0])
 
     def group(self, kind: str) -> dist.ProcessGroup | None:
         """The group of `kind` holding this rank (None when the layout has no such parallelism)."""

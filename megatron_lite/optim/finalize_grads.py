@@ -1,0 +1,51 @@
+"""After the last micro-batch's backward: make every rank's gradients those of the global batch mean.
+
+1. Data parallel: each chunk's buckets are reduced over dp x cp (expert buckets over expert dp).
+2. Sequence parallel: replicated parameters that saw only a sequence slice (norms, row-parallel biases,
+   learned positions) hold partial gradients; they are summed over TP.
+3. Tied embeddings split over pipeline stages: the first and last stage add their gradients.
+4. Loss normalisation: the token count of the global batch (known on the last stage) is broadcast
+   over the pipeline and summed over dp x cp, and every gradient is divided by it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.optim.grad_buffer import DistributedDataParallel
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.state import ParallelState
+
+
+def _all_reduce_main_grads(params: list[torch.nn.Parameter], group) -> None:
+    if group is None or not params:
+        return
+    flat = torch.cat([p.main_grad.reshape(-1) for p in params])
+    mappings.all_reduce(flat, group)
+    offset = 0
+    for p in params:
+        p.main_grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def global_token_count(local_tokens: torch.Tensor, pstate: ParallelState) -> torch.Tensor:
+    """Tokens of the global batch: the last stage's count, shared over the pipeline, summed over dp x cp."""
+    count = local_tokens.detach().clone().double()
+    if pstate.group("pp") is not None:
+        torch.distributed.broadcast(count, src=pstate.pp_ranks[-1], group=pstate.group("pp"))
+    return mappings.all_reduce(count, pstate.group("dp_cp"))
+
+
+def finalize_model_grads(model_chunks: list[DistributedDataParallel], pstate: ParallelState,
+                         local_tokens: torch.Tensor) -> torch.Tensor:
+    """Reduce and normalise the gradients of all chunks; returns the global token count."""
+    for chunk in model_chunks:
+        chunk.finish_grad_sync()
+    params = [p for chunk in model_chunks for p in chunk.module.parameters() if p.requires_grad]
+    _all_reduce_main_grads([p for p in params if p.spec.sequence_parallel], pstate.group("tp"))
+    shared = [p for chunk in model_chunks for p in chunk.module.shared_embedding_parameters()]
+    _all_reduce_main_grads(shared, pstate.group("embedding"))
+    tokens = global_token_count(local_tokens, pstate)
+    for chunk in model_chunks:
+        chunk.scale_gradients(1.0 / float(tokens))
+    return tokens

@@ -1,0 +1,223 @@
+"""The training loop: initialize -> build model chunks -> optimizer -> data -> iterate, log, evaluate.
+
+`pretrain(config, model_provider, forward_step_func)` is what `pretrain_gpt.py` calls, as in Megatron.
+The loop reads top to bottom; each step it runs the schedule over the micro-batches of one global
+batch, finalizes gradients (data-parallel reduction, loss normalisation), and steps the optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.config import Config, pipeline_stage_layers
+from megatron_lite.data.mock import MockGPTDataset
+from megatron_lite.data.samplers import PretrainingSampler
+from megatron_lite.logging import TrainingLogger
+from megatron_lite.model.gpt import padded_vocab_size
+from megatron_lite.optim.finalize_grads import finalize_model_grads
+from megatron_lite.optim.grad_buffer import DistributedDataParallel
+from megatron_lite.optim.lr_schedule import learning_rate
+from megatron_lite.optim.optimizer import Optimizer
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.state import Layout, ParallelState
+from megatron_lite.pipeline import schedules
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was requested but CUDA is not available; use --device cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def initialize(config: Config) -> tuple[ParallelState, torch.device]:
+    """Join the process group torchrun started (if any), build the parallel state, seed the generators."""
+    device = resolve_device(config.training.device)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    p = config.parallel
+    layout = Layout(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, dp=p.data_parallel_size,
+                    pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size)
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    pstate = ParallelState.build(layout) if world_size > 1 else ParallelState.single()
+    torch.manual_seed(config.training.seed)
+    return pstate, device
+
+
+@dataclass
+class ChunkPlan:
+    """What one model chunk of this rank holds."""
+
+    layer_offset: int
+    num_layers: int
+    pre_process: bool
+    post_process: bool
+
+
+def model_chunk_plans(config: Config, pp_rank: int) -> list[ChunkPlan]:
+    """The layers of each of this stage's model chunks (several with the interleaved schedule).
+
+    With v virtual stages of L layers each, chunk c of stage p holds global layers starting at
+    (c * pp + p) * L, so micro-batches flow 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ... .
+    """
+    pp = config.parallel.pipeline_model_parallel_size
+    vp_layers = config.parallel.num_layers_per_virtual_pipeline_stage
+    if vp_layers is None:
+        counts = pipeline_stage_layers(config)
+        return [ChunkPlan(sum(counts[:pp_rank]), counts[pp_rank], pp_rank == 0, pp_rank == pp - 1)]
+    chunks = config.model.num_layers // (vp_layers * pp)
+    return [ChunkPlan((c * pp + pp_rank) * vp_layers, vp_layers, c == 0 and pp_rank == 0,
+                      c == chunks - 1 and pp_rank == pp - 1) for c in range(chunks)]
+
+
+def build_model(config: Config, pstate: ParallelState, model_provider, device) -> list[DistributedDataParallel]:
+    """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
+    chunks = []
+    for plan in model_chunk_plans(config, pstate.pp_rank):
+        module = model_provider(config, pstate, plan, device)
+        p = config.parallel
+        chunks.append(DistributedDataParallel(
+            module, pstate, overlap_grad_reduce=p.overlap_grad_reduce,
+            shard_grads=p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")))
+    return chunks
+
+
+# -------------------------------------------------------------------------------------------------------
+# Data
+
+
+def _num_samples(config: Config) -> tuple[int, int, int]:
+    t = config.training
+    gbs = t.global_batch_size
+    evaluations = t.train_iters // t.eval_interval + 1
+    return t.train_iters * gbs, evaluations * t.eval_iters * gbs, t.eval_iters * gbs
+
+
+def padded_vocab_for(config: Config) -> int:
+    """Vocabulary rows of the embedding and output layers: a multiple of divisible-by x TP."""
+    return padded_vocab_size(config.model.vocab_size, config.model.make_vocab_size_divisible_by,
+                             config.parallel.tensor_model_parallel_size)
+
+
+def build_datasets(config: Config):
+    """Train/valid/test datasets: synthetic with --mock-data, else the indexed corpus of --data-path."""
+    train_n, valid_n, test_n = _num_samples(config)
+    m, d, seed = config.model, config.data, config.training.seed
+    if d.mock_data:
+        return (MockGPTDataset(train_n, m.seq_length, m.vocab_size, seed),
+                MockGPTDataset(valid_n, m.seq_length, m.vocab_size, seed + 1),
+                MockGPTDataset(test_n, m.seq_length, m.vocab_size, seed + 2))
+    from megatron_lite.data.builder import build_train_valid_test_datasets
+
+    return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length, seed, (train_n, valid_n, test_n),
+                                           cache_dir=d.data_cache_path)
+
+
+def _collate(samples) -> dict[str, torch.Tensor]:
+    """Samples of seq_length + 1 tokens -> inputs, next-token labels, loss mask, positions."""
+    tokens = torch.as_tensor(torch.utils.data.default_collate(list(samples)), dtype=torch.long)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return {"tokens": inputs, "labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.float32),
+            "position_ids": torch.arange(inputs.shape[1])}
+
+
+def build_data_iterator(dataset, config: Config, pstate: ParallelState, consumed_samples: int):
+    """Micro-batches for this data-parallel rank, starting after `consumed_samples`."""
+    if dataset is None or len(dataset) == 0:
+        return None
+    sampler = PretrainingSampler(len(dataset), consumed_samples, config.training.micro_batch_size,
+                                 pstate.dp_rank, pstate.dp_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate,
+                                         num_workers=config.data.num_workers)
+    return iter(loader)
+
+
+# -------------------------------------------------------------------------------------------------------
+# One step
+
+
+def get_schedule(config: Config):
+    """The schedule for the layout, by Megatron's names."""
+    if config.parallel.pipeline_model_parallel_size == 1:
+        return schedules.forward_backward_no_pipelining
+    if config.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        return schedules.forward_backward_pipelining_with_interleaving
+    return schedules.forward_backward_pipelining_without_interleaving
+
+
+def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> float:
+    """The global-batch mean of the 'lm loss' sums (meaningful on the last pipeline stage)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for report in reports:
+        loss_sum, tokens = report["lm loss"]
+        totals[0] += loss_sum.double()
+        totals[1] += tokens.double()
+    mappings.all_reduce(totals, pstate.group("dp_cp"))
+    return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,
+               pstate: ParallelState, iteration: int, device) -> dict:
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    reports, tokens = get_schedule(config)(
+        forward_step_func, data_iterator, model, config.num_microbatches, pstate=pstate, config=config)
+    finalize_model_grads(model, pstate, tokens.to(device))
+    lr = learning_rate(config.optimizer, iteration)
+    grad_norm = optimizer.step(lr)
+    return {"lm_loss": reduce_loss(reports, pstate, device), "grad_norm": grad_norm, "lr": lr}
+
+
+@torch.no_grad()
+def evaluate(forward_step_func, data_iterator, model, config: Config, pstate: ParallelState, device) -> float:
+    for chunk in model:
+        chunk.eval()
+    reports = []
+    for _ in range(config.training.eval_iters):
+        step_reports, _ = get_schedule(config)(forward_step_func, data_iterator, model, config.num_microbatches,
+                                               pstate=pstate, config=config, forward_only=True)
+        reports += step_reports
+    for chunk in model:
+        chunk.train()
+    return reduce_loss(reports, pstate, device)
+
+
+# -------------------------------------------------------------------------------------------------------
+# The run
+
+
+def pretrain(config: Config, model_provider, forward_step_func) -> list[dict]:
+    """Train `config.training.train_iters` iterations; returns the per-iteration metrics of this rank."""
+    pstate, device = initialize(config)
+    model = build_model(config, pstate, model_provider, device)
+    params = [p for chunk in model for p in chunk.module.parameters() if p.requires_grad]
+    optimizer = Optimizer(params, config.optimizer, pstate)
+    train_ds, valid_ds, _ = build_datasets(config)
+    consumed_samples = 0
+    train_iterator = build_data_iterator(train_ds, config, pstate, consumed_samples)
+    valid_iterator = build_data_iterator(valid_ds, config, pstate, 0)
+    is_logging_rank = pstate.rank == pstate.layout.world_size - 1
+    logger = TrainingLogger(config, device, pstate.layout.world_size, is_logging_rank)
+    history = []
+    for chunk in model:
+        chunk.train()
+    logger.reset_timer()
+    for iteration in range(config.training.train_iters):
+        metrics = train_step(forward_step_func, train_iterator, model, optimizer, config, pstate, iteration, device)
+        consumed_samples += config.training.global_batch_size
+        metrics["consumed_samples"] = consumed_samples
+        history.append(metrics)
+        logger.log_iteration(iteration + 1, metrics)
+        if valid_iterator is not None and (iteration + 1) % config.training.eval_interval == 0:
+            logger.log_evaluation(iteration + 1, evaluate(forward_step_func, valid_iterator, model, config,
+                                                          pstate, device))
+            logger.reset_timer()
+    logger.close()
+    return history

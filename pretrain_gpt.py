@@ -1,0 +1,58 @@
+"""Pretrain a GPT or Llama model: `torchrun --nproc-per-node N pretrain_gpt.py <flags>` (see --help).
+
+As in Megatron-LM, this file only says what the model is, how a micro-batch is read and what the
+loss is; megatron_lite.training.pretrain does the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+
+import torch
+
+from megatron_lite.config import Config, ConfigError, parse_config
+from megatron_lite.model.gpt import GPTModel
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.training import ChunkPlan, padded_vocab_for, pretrain
+
+
+def model_provider(config: Config, pstate: ParallelState, plan: ChunkPlan, device: torch.device) -> GPTModel:
+    """One model chunk: the layers of `plan`, with the embedding / output layer where the plan says."""
+    return GPTModel(config.model, pstate, padded_vocab=padded_vocab_for(config), seed=config.training.seed,
+                    pre_process=plan.pre_process, post_process=plan.post_process,
+                    layer_offset=plan.layer_offset, num_layers=plan.num_layers,
+                    sequence_parallel=config.parallel.sequence_parallel, device=device)
+
+
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Sum of the per-token losses over unmasked tokens, their count, and what to report."""
+    loss_sum = (per_token_loss.float() * loss_mask).sum()
+    num_tokens = loss_mask.sum()
+    return loss_sum, num_tokens, {"lm loss": (loss_sum.detach(), num_tokens.detach())}
+
+
+def forward_step(data_iterator, model):
+    """Read one micro-batch and run it through this model chunk."""
+    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+    output = model(tokens, batch["position_ids"].to(device), labels=labels)
+    return output, partial(loss_func, batch["loss_mask"].to(device))
+
+
+def main(argv: list[str] | None = None) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config = parse_config(argv, world_size)
+    except ConfigError as error:
+        rank = os.environ.get("RANK", "0")
+        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        return 2
+    pretrain(config, model_provider, forward_step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
