@@ -144,7 +144,7 @@ class IndexedDatasetBuilder:
         check_dtype_holds(self.dtype, 1)
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin_tmp = bin_path(prefix) + ".tmp"
-        self._bin = open(self._bin_tmp, "wb")
+        self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - open until finalize() or abort()
         self._sequence_lengths: list[int] = []
         self._document_indices: list[int] = [0]
 

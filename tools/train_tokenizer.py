@@ -1,0 +1,44 @@
+"""Train a sentencepiece BPE tokenizer (byte fallback, eos = end of document) on a corpus.
+
+    python tools/train_tokenizer.py --input data/shakespeare.jsonl --vocab-size 4000 \\
+        --model-prefix data/tokenizer
+writes data/tokenizer.model (for --tokenizer-type SentencePieceTokenizer) and data/tokenizer.vocab.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_lite.data.tokenizer_training import train_sentencepiece  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="jsonl, json, parquet, arrow or txt files, folders of them, or a "
+                             "datasets.save_to_disk folder")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="text columns (default: text)")
+    parser.add_argument("--vocab-size", type=int, required=True, help="size of the trained vocabulary")
+    parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument("--special-tokens", nargs="*", default=[],
+                        help="extra tokens kept whole, e.g. '<|im_start|>' (ids 4, 5, ...)")
+    parser.add_argument("--input-sentence-size", type=int, default=10_000_000,
+                        help="lines sampled for training; 0 uses all (default: 10M)")
+    parser.add_argument("--cache-dir", help="datasets cache for the parsed input (default: HF's)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        path = train_sentencepiece(args.input, args.model_prefix, args.vocab_size, args.json_keys,
+                                   args.special_tokens, args.input_sentence_size, cache_dir=args.cache_dir)
+    except (ValueError, FileNotFoundError) as error:
+        sys.exit(f"train_tokenizer.py: error: {error}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
