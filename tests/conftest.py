@@ -1,0 +1,20 @@
+"""Session-wide test settings: one thread per process, and the shared gloo worlds closed at the end."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.harness import close_all_worlds  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_worlds():
+    yield
+    close_all_worlds()

@@ -1,0 +1,122 @@
+"""Multi-rank test harness: persistent gloo worlds of N CPU processes that run test functions.
+
+Starting a world costs seconds per rank (importing torch, joining the group), so a world of each size
+is started once per test session and reused: `run_on_ranks(n, fn, *args)` runs `fn(*args)` on every
+rank of the n-rank world and returns the per-rank results in rank order. `fn` must be a module-level
+function (it is sent by reference) and its result picklable. A rank's exception is re-raised here with
+its traceback; a run that exceeds its timeout kills the world and fails instead of hanging. Either way
+the world is discarded and the next call starts a fresh one.
+
+Every worker runs with one thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)): several ranks with
+several threads each on two cores run an order of magnitude slower.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+
+DEFAULT_TIMEOUT_S = 300
+
+
+def _worker(rank: int, size: int, init_file: str, tasks, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = pickle.loads(task)
+        try:
+            results.put((rank, "ok", pickle.dumps(fn(*args))))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the test process
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class World:
+    """N spawned processes in one gloo process group, waiting for functions to run."""
+
+    def __init__(self, size: int):
+        self.size = size
+        context = multiprocessing.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory(prefix="gloo_world_")
+        init_file = os.path.join(self._dir.name, "init")
+        self.results = context.Queue()
+        self.tasks = [context.Queue() for _ in range(size)]
+        self.processes = [context.Process(target=_worker, args=(rank, size, init_file, self.tasks[rank],
+                                                                 self.results), daemon=True)
+                          for rank in range(size)]
+        for process in self.processes:
+            process.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT_S) -> list:
+        task = pickle.dumps((fn, args))
+        for q in self.tasks:
+            q.put(task)
+        outputs: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(outputs) < self.size:
+            remaining = deadline - time.monotonic()
+            try:
+                rank, status, payload = self.results.get(timeout=max(min(remaining, 5.0), 0.01))
+            except queue.Empty:
+                if remaining <= 0:
+                    self.close()
+                    raise TimeoutError(f"{fn.__name__} did not finish on {self.size} ranks within {timeout}s "
+                                       f"(finished: {sorted(outputs)})") from None
+                if not self.alive:
+                    self.close()
+                    raise RuntimeError(f"a rank died while running {fn.__name__}") from None
+                continue
+            if status == "error":
+                self.close()
+                raise AssertionError(f"rank {rank} failed in {fn.__name__}:\n{payload}")
+            outputs[rank] = pickle.loads(payload)
+        return [outputs[rank] for rank in range(self.size)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except (ValueError, OSError):
+                pass
+        for process in self.processes:
+            process.join(timeout=2)
+            if process.is_alive():
+                process.kill()
+        self._dir.cleanup()
+
+
+_WORLDS: dict[int, World] = {}
+
+
+def run_on_ranks(size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT_S) -> list:
+    """Run `fn(*args)` on every rank of a (reused) `size`-rank gloo world; results in rank order."""
+    world = _WORLDS.get(size)
+    if world is None or not world.alive:
+        world = _WORLDS[size] = World(size)
+    try:
+        return world.run(fn, *args, timeout=timeout)
+    except BaseException:
+        _WORLDS.pop(size, None)
+        raise
+
+
+def close_all_worlds() -> None:
+    for world in _WORLDS.values():
+        world.close()
+    _WORLDS.clear()
