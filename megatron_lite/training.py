@@ -38,7 +38,7 @@ def resolve_device(requested: str) -> torch.device:
 def initialize(config: Config) -> tuple[ParallelState, torch.device]:
     """Join the process group torchrun started (if any), build the parallel state, seed the generators."""
     device = resolve_device(config.training.device)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     p = config.parallel
     layout = Layout(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, dp=p.data_parallel_size,
                     pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size)
