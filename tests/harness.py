@@ -13,6 +13,7 @@ several threads each on two cores run an order of magnitude slower.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -90,10 +91,8 @@ class World:
 
     def close(self) -> None:
         for q in self.tasks:
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 q.put(None)
-            except (ValueError, OSError):
-                pass
         for process in self.processes:
             process.join(timeout=2)
             if process.is_alive():
