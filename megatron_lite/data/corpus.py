@@ -49,33 +49,55 @@ def resolve_inputs(inputs: list[str]) -> tuple[str, list[str]]:
     return formats.pop(), files
 
 
-def load_corpus(inputs: list[str], keys: list[str], cache_dir: str | None = None):
-    """The documents of `inputs` as a `datasets.Dataset` holding (at least) the columns `keys`."""
+class Corpus:
+    """The documents of some input files, read in batches of text columns."""
+
+    def __init__(self, dataset, kind: str, files: list[str]):
+        self.dataset = dataset
+        self.kind = kind
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batches(self, keys: list[str], batch_size: int):
+        """Dicts {key: [text, ...]} of up to batch_size documents, in input order."""
+        try:
+            yield from self.dataset.select_columns(keys).iter(batch_size=batch_size)
+        except UnicodeDecodeError:
+            # The json reader keeps invalid bytes; they fail only when a batch becomes str.
+            for file in self.files:
+                _raise_first_bad_line(file, self.kind)
+            raise
+
+
+def load_corpus(inputs: list[str], keys: list[str], cache_dir: str | None = None) -> Corpus:
+    """The documents of `inputs`, checked to hold the text columns `keys`."""
     import datasets
 
     kind, files = resolve_inputs(inputs)
     if kind == "saved":
-        corpus = datasets.load_from_disk(files[0])
-        if isinstance(corpus, datasets.DatasetDict):
-            corpus = datasets.concatenate_datasets(list(corpus.values()))
+        dataset = datasets.load_from_disk(files[0])
+        if isinstance(dataset, datasets.DatasetDict):
+            dataset = datasets.concatenate_datasets(list(dataset.values()))
     else:
         options = {"sample_by": "document"} if kind == "text" else {}
         try:
-            corpus = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir,
-                                           **options)
+            dataset = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir,
+                                            **options)
         except Exception:
             for file in files:
                 _raise_first_bad_line(file, kind)
             raise
     for key in keys:
-        if key not in corpus.column_names:
+        if key not in dataset.column_names:
             raise ValueError(f"--json-keys {key!r} is not a column of {', '.join(inputs)} "
-                             f"(columns: {', '.join(corpus.column_names)})")
-        dtype = corpus.features[key]
+                             f"(columns: {', '.join(dataset.column_names)})")
+        dtype = dataset.features[key]
         if getattr(dtype, "dtype", None) not in ("string", "large_string"):
             raise ValueError(f"column {key!r} of {', '.join(inputs)} holds {dtype}, not text; "
                              f"choose a text column with --json-keys")
-    return corpus
+    return Corpus(dataset, kind, files)
 
 
 def _raise_first_bad_line(path: str, kind: str) -> None:

@@ -78,7 +78,7 @@ def preprocess(inputs: list[str], output_prefix: str, json_keys: list[str], toke
 
     stats = {key: PreprocessStats(output_prefix_for(output_prefix, key)) for key in json_keys}
     builders = {key: IndexedDatasetBuilder(stats[key].prefix, token_dtype) for key in json_keys}
-    batches = corpus.select_columns(json_keys).iter(batch_size=_BATCH_DOCUMENTS)
+    batches = corpus.batches(json_keys, _BATCH_DOCUMENTS)
     pool = None
     try:
         if workers == 1:

@@ -18,7 +18,7 @@ _BYTE_PIECES = 256
 def _lines(corpus, keys: list[str], progress: bool):
     """Every non-empty line of every document; sentencepiece trains on lines."""
     with tqdm(total=len(corpus), unit="doc", disable=not progress, desc="reading") as bar:
-        for batch in corpus.select_columns(keys).iter(batch_size=256):
+        for batch in corpus.batches(keys, batch_size=256):
             for key in keys:
                 for text in batch[key]:
                     for line in (text or "").splitlines():

@@ -1,0 +1,85 @@
+"""--data-path / --split into train, valid and test datasets, single or blended."""
+
+import numpy as np
+import pytest
+
+from megatron_lite.data.builder import build_train_valid_test_datasets, parse_data_path, parse_split, split_ranges
+from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder
+
+SEQ = 32
+
+
+def make_prefix(tmp_path, name, first_token, documents=200):
+    """`documents` documents whose token ids all lie in [first_token, first_token + 1000)."""
+    lengths = np.random.default_rng(first_token).integers(20, 80, size=documents)
+    builder = IndexedDatasetBuilder(str(tmp_path / name), np.int32)
+    for n in lengths:
+        builder.add_document(first_token + np.arange(n) % 1000)
+    builder.finalize()
+    return str(tmp_path / name)
+
+
+def test_data_path_forms():
+    assert parse_data_path(["a"]) == (["a"], None)
+    assert parse_data_path(["a", "b"]) == (["a", "b"], None)
+    assert parse_data_path(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
+
+
+@pytest.mark.parametrize("data_path, message", [
+    ([], "--data-path is empty"), (["0.3", "a", "0.7"], "WEIGHT PREFIX pairs"),
+    (["0.3", "a", "b", "c"], "'b' is not a number"), (["-1", "a", "2", "b"], "positive")])
+def test_bad_data_paths_say_what_to_change(data_path, message):
+    with pytest.raises(ValueError, match=message):
+        parse_data_path(data_path)
+
+
+def test_split_parsing_and_megatron_rounding():
+    assert parse_split("969,30,1") == pytest.approx([0.969, 0.03, 0.001])
+    assert parse_split("98/2") == pytest.approx([0.98, 0.02, 0.0])
+    assert split_ranges(1000, parse_split("969,30,1")) == [(0, 969), (969, 999), (999, 1000)]
+    # Megatron shifts every bound by the rounding deficit (3 + 3 + 3 = 9 of 10), so train gets the extra one.
+    assert split_ranges(10, parse_split("1,1,1")) == [(0, 4), (4, 7), (7, 10)]
+    with pytest.raises(ValueError, match="--split"):
+        parse_split("90,x")
+
+
+def test_each_split_yields_at_least_its_samples_from_its_own_documents(tmp_path):
+    prefix = make_prefix(tmp_path, "a", 0)
+    train, valid, test = build_train_valid_test_datasets([prefix], "90,10,0", SEQ, 1, (500, 40, 7))
+    assert test is None
+    assert len(train) >= 500 and len(valid) >= 40
+    assert train[0].shape == (SEQ + 1,) and train[0].dtype == np.int64
+    assert (tmp_path / "cache").is_dir()  # the default cache sits beside the data
+    assert set(train.document_index.tolist()) == set(range(180))
+    assert set(valid.document_index.tolist()) == set(range(180, 200))
+
+
+def test_blend_shares_are_within_one_percent_of_the_weights(tmp_path):
+    prefixes = [make_prefix(tmp_path, name, first) for name, first in (("a", 0), ("b", 1000), ("c", 2000))]
+    weights = [0.2, 0.3, 0.5]
+    data_path = [str(x) for pair in zip(weights, prefixes) for x in pair]
+    train, _, _ = build_train_valid_test_datasets(data_path, "1", SEQ, 1, (10_000, 0, 0), str(tmp_path / "c"))
+    assert len(train) == 10_000
+    source = np.array([train[i][0] // 1000 for i in range(len(train))])  # which corpus each sample came from
+    shares = np.bincount(source, minlength=3) / len(train)
+    assert np.all(np.abs(shares - weights) < 0.01), shares
+
+
+def test_unweighted_prefixes_blend_by_token_count(tmp_path):
+    small, large = make_prefix(tmp_path, "s", 0, documents=50), make_prefix(tmp_path, "l", 1000, documents=150)
+    train, _, _ = build_train_valid_test_datasets([small, large], "1", SEQ, 1, (2000, 0, 0))
+    tokens = [d.indexed_dataset.num_tokens for d in train.datasets]
+    expected = tokens[0] / sum(tokens)
+    from_small = np.mean([train[i][0] < 1000 for i in range(len(train))])
+    assert abs(from_small - expected) < 0.01
+
+
+def test_a_split_without_documents_says_what_to_change(tmp_path):
+    prefix = make_prefix(tmp_path, "a", 0, documents=200)
+    with pytest.raises(ValueError, match="test split .* gets no documents"):
+        build_train_valid_test_datasets([prefix], "969,30,1", SEQ, 1, (10, 10, 10))
+
+
+def test_missing_prefix_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.idx not found"):
+        build_train_valid_test_datasets([str(tmp_path / "missing")], "1", SEQ, 1, (10, 0, 0))
