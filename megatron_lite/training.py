@@ -16,8 +16,8 @@ import torch.distributed as dist
 from megatron_lite.config import Config, pipeline_stage_layers
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
+from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.logging import TrainingLogger
-from megatron_lite.model.gpt import padded_vocab_size
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.grad_buffer import DistributedDataParallel
 from megatron_lite.optim.lr_schedule import learning_rate
@@ -106,6 +106,13 @@ def padded_vocab_for(config: Config) -> int:
                              config.parallel.tensor_model_parallel_size)
 
 
+def set_vocab_size_from_tokenizer(config: Config) -> None:
+    """With a real corpus, the model's vocabulary is the tokenizer's."""
+    if not config.data.mock_data:
+        tokenizer = build_tokenizer(config.data.tokenizer_type, config.data.tokenizer_model, config.model.vocab_size)
+        config.model.vocab_size = tokenizer.vocab_size
+
+
 def build_datasets(config: Config):
     """Train/valid/test datasets: synthetic with --mock-data, else the indexed corpus of --data-path."""
     train_n, valid_n, test_n = _num_samples(config)
@@ -153,13 +160,16 @@ def get_schedule(config: Config):
 
 
 def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> float:
-    """The global-batch mean of the 'lm loss' sums (meaningful on the last pipeline stage)."""
+    """The global-batch mean of the 'lm loss' sums, computed on the last pipeline stage and shared with the
+    other stages so that every rank reports it."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for report in reports:
         loss_sum, tokens = report["lm loss"]
         totals[0] += loss_sum.double()
         totals[1] += tokens.double()
     mappings.all_reduce(totals, pstate.group("dp_cp"))
+    if pstate.group("pp") is not None:
+        dist.broadcast(totals, src=pstate.pp_ranks[-1], group=pstate.group("pp"))
     return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
 
 
@@ -196,6 +206,7 @@ def evaluate(forward_step_func, data_iterator, model, config: Config, pstate: Pa
 def pretrain(config: Config, model_provider, forward_step_func) -> list[dict]:
     """Train `config.training.train_iters` iterations; returns the per-iteration metrics of this rank."""
     pstate, device = initialize(config)
+    set_vocab_size_from_tokenizer(config)
     model = build_model(config, pstate, model_provider, device)
     params = [p for chunk in model for p in chunk.module.parameters() if p.requires_grad]
     optimizer = Optimizer(params, config.optimizer, pstate)

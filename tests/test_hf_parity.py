@@ -6,7 +6,8 @@ import transformers
 
 from megatron_lite import hf_conversion
 from megatron_lite.config import make_config
-from megatron_lite.model.gpt import GPTModel, padded_vocab_size
+from megatron_lite.data.tokenizers import padded_vocab_size
+from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.sharding import load_global_tensors
 from megatron_lite.parallel.state import ParallelState
 

@@ -10,7 +10,6 @@ their initial values and their checkpoint keys, so neither depends on the layout
 
 from __future__ import annotations
 
-import math
 import re
 
 import torch
@@ -29,12 +28,6 @@ from megatron_lite.parallel.random import RNGTracker
 from megatron_lite.parallel.state import ParallelState
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
-    """Round the vocabulary up so every TP rank holds an equal, well-aligned slice of it."""
-    multiple = divisible_by * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 class Embedding(torch.nn.Module):
