@@ -80,9 +80,10 @@ def global_initial_value(spec: ShardSpec, global_name: str, seed: int, std: floa
         return torch.zeros(spec.global_shape)
     scale = std if spec.init == "normal" else std / math.sqrt(2.0 * num_layers)
     generator = torch.Generator().manual_seed(name_seed(seed, global_name))
-    full = torch.empty(spec.global_shape).normal_(0.0, scale, generator=generator)
-    if spec.valid_rows is not None:
-        full[spec.valid_rows:] = 0.0
+    full = torch.zeros(spec.global_shape)
+    # Only the real vocabulary rows are drawn, so their values do not depend on the padding (which grows
+    # with the TP size): torch's normal_ fills a tensor in blocks, and a longer tensor may change its tail.
+    full[:spec.valid_rows].normal_(0.0, scale, generator=generator)
     return full
 
 

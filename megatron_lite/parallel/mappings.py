@@ -82,7 +82,9 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.group), None
+        # A copy: autograd may hand the same gradient tensor to a sibling branch (x + y passes one
+        # tensor to both), which an in-place all-reduce would corrupt.
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
