@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install everything the tests need (into $VENV, default .venv) and run the whole test suite on CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+VENV=${VENV:-.venv}
+export OMP_NUM_THREADS=1 WANDB_MODE=disabled HF_HUB_OFFLINE=1
+"$VENV/bin/ruff" check .
+"$VENV/bin/python" -m pytest -q tests "$@"
