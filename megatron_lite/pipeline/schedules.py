@@ -4,14 +4,34 @@
 `loss_func(output_tensor) -> (loss_sum, num_tokens, report)` turns the last stage's output into a
 summed loss, its token count and values to log. Schedules backpropagate the summed loss (times the
 loss scale); gradients are divided by the global token count afterwards (finalize_model_grads).
-Every schedule returns (reports, local token count) for the micro-batches this rank computed a loss on.
+Every schedule returns (reports, local token count) for the micro-batches this rank computed a loss
+on: with pipelining only the last stage has any.
+
+  forward_backward_no_pipelining                   one stage: forward and backward each micro-batch
+  forward_backward_pipelining_without_interleaving 1F1B: warm-up forwards, one-forward-one-backward
+                                                   steady state, cool-down backwards
+  forward_backward_pipelining_with_interleaving    interleaved 1F1B over v model chunks per stage
+
+In 1F1B stage p of P runs P - p - 1 warm-up forwards, so it holds at most P - p micro-batches' activations
+(GPipe would hold all m) and idles (P - 1) micro-batch times per step: the bubble is (P - 1) / m of the
+compute. The interleaved schedule gives each stage v chunks of L / (P v) layers and cuts the bubble to
+(P - 1) / (v m), holding more micro-batches in flight in exchange. An activation is dropped as soon
+as its backward has run. Gradient reduction is deferred (`no_sync`) until the last micro-batch's
+backward of each chunk, so with --overlap-grad-reduce a chunk's buckets start reducing then.
+
+Pass a `ScheduleStats` as `stats=` to get this rank's timeline (forward/backward/idle) and its peak
+number of live micro-batches; with MEGATRON_LITE_PP_TRACE=1 every send/recv and a per-stage summary
+are printed to stderr.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
+
+from megatron_lite.parallel.p2p import PipelineCommunicator, trace, trace_enabled
 
 
 def _accumulate(reports: list[dict], total_tokens: torch.Tensor, loss_func, output) -> torch.Tensor:
@@ -35,3 +55,315 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_
             if not forward_only:
                 (loss_sum * loss_scale).backward()
     return reports, total_tokens
+
+
+# -------------------------------------------------------------------------------------------------------
+# Shared by the pipelined schedules
+
+
+class ScheduleStats:
+    """What one schedule call did on this rank: its forward/backward timeline and live micro-batches.
+
+    `events` holds (kind "F" or "B", chunk, micro-batch, start, end) in host wall-clock seconds; idle
+    time is the rest of the call (waiting for neighbours, and the sends and receives themselves).
+    `peak_live` is the most micro-batches whose forward had run and whose backward had not.
+    """
+
+    def __init__(self):
+        self.events: list[tuple[str, int, int, float, float]] = []
+        self.start = self.end = time.perf_counter()
+        self.live = 0
+        self.peak_live = 0
+
+    @property
+    def total_time(self) -> float:
+        return self.end - self.start
+
+    @property
+    def busy_time(self) -> float:
+        return sum(end - start for _, _, _, start, end in self.events)
+
+    @property
+    def idle_time(self) -> float:
+        return self.total_time - self.busy_time
+
+    def summary(self) -> str:
+        """One line: busy/idle split, peak live micro-batches, then each event as kind+micro-batch/chunk."""
+        timeline = " ".join(f"{kind}{mb}/{chunk}@{1e3 * (start - self.start):.1f}-{1e3 * (end - self.start):.1f}ms"
+                            for kind, chunk, mb, start, end in self.events)
+        return (f"busy {self.busy_time:.4f}s idle {self.idle_time:.4f}s "
+                f"(idle/busy {self.idle_time / max(self.busy_time, 1e-12):.3f}) peak live micro-batches "
+                f"{self.peak_live} | {timeline}")
+
+
+class _MicroBatchRunner:
+    """Forward and backward of one micro-batch on one model chunk; keeps the reports, tokens and stats."""
+
+    def __init__(self, forward_step_func, model: list, pstate, *, loss_scale: float, forward_only: bool,
+                 stats: ScheduleStats):
+        self.forward_step_func = forward_step_func
+        self.model = model
+        self.pstate = pstate
+        self.loss_scale = loss_scale
+        self.forward_only = forward_only
+        self.stats = stats
+        self.reports: list[dict] = []
+        self.total_tokens = torch.zeros((), dtype=torch.float64)
+
+    def computes_loss(self, chunk_id: int) -> bool:
+        return self.pstate.is_last_stage and chunk_id == len(self.model) - 1
+
+    def forward(self, chunk_id: int, microbatch: int, input_tensor, data_iterator) -> torch.Tensor:
+        """The chunk's output activations [s(/tp), b, h], or the scaled loss on the last stage."""
+        start = time.perf_counter()
+        chunk = self.model[chunk_id]
+        if input_tensor is not None and not self.forward_only:
+            input_tensor.requires_grad_()
+        getattr(chunk, "module", chunk).set_input_tensor(input_tensor)
+        output, loss_func = self.forward_step_func(data_iterator, chunk)
+        if self.computes_loss(chunk_id):
+            loss_sum = _accumulate(self.reports, self.total_tokens, loss_func, output)
+            output = loss_sum if self.forward_only else loss_sum * self.loss_scale
+        if not self.forward_only:
+            self.stats.live += 1
+            self.stats.peak_live = max(self.stats.peak_live, self.stats.live)
+        self.stats.events.append(("F", chunk_id, microbatch, start, time.perf_counter()))
+        return output
+
+    def backward(self, chunk_id: int, microbatch: int, input_tensor, output_tensor, output_grad,
+                 last_microbatch: bool):
+        """Backpropagate one micro-batch; returns the gradient for the previous stage (None on the first).
+
+        Gradient reduction stays deferred until the chunk's last micro-batch, whose backward may start it.
+        """
+        start = time.perf_counter()
+        chunk = self.model[chunk_id]
+        no_sync = getattr(chunk, "no_sync", contextlib.nullcontext)
+        with contextlib.nullcontext() if last_microbatch else no_sync():
+            torch.autograd.backward(output_tensor, grad_tensors=output_grad)  # None: the loss itself
+        self.stats.live -= 1
+        self.stats.events.append(("B", chunk_id, microbatch, start, time.perf_counter()))
+        return input_tensor.grad if input_tensor is not None else None
+
+    def finish(self, stats: ScheduleStats):
+        stats.end = time.perf_counter()
+        if trace_enabled():
+            trace(f"rank {self.pstate.rank} stage {self.pstate.pp_rank} {stats.summary()}")
+        return self.reports, self.total_tokens
+
+
+def _communicator(model: list, pstate, config) -> PipelineCommunicator:
+    """Activations between stages are [s/cp, mbs, h], the sequence also split over TP with sequence
+    parallelism, in the dtype of the model's parameters."""
+    m, p = config.model, config.parallel
+    seq = m.seq_length // p.context_parallel_size
+    if p.sequence_parallel:
+        seq //= p.tensor_model_parallel_size
+    param = next(model[0].parameters())
+    return PipelineCommunicator(pstate, (seq, config.training.micro_batch_size, m.hidden_size), param.dtype,
+                                param.device)
+
+
+# -------------------------------------------------------------------------------------------------------
+# 1F1B
+
+
+def forward_backward_pipelining_without_interleaving(forward_step_func, data_iterator, model,
+                                                     num_microbatches: int, *, pstate, config,
+                                                     forward_only: bool = False, loss_scale: float = 1.0,
+                                                     stats: ScheduleStats | None = None):
+    """1F1B (PipeDream-Flush): warm-up forwards, then alternate one forward and one backward, then cool down.
+
+    Stage p runs min(P - p - 1, m) warm-up forwards; each steady-state step sends its output while
+    receiving the gradient of its oldest micro-batch, so at most P - p micro-batches are live.
+    """
+    model = model if isinstance(model, list) else [model]
+    stats = stats if stats is not None else ScheduleStats()
+    run = _MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
+                            stats=stats)
+    comm = _communicator(model, pstate, config)
+    num_warmup = num_microbatches if forward_only else min(pstate.pp_size - pstate.pp_rank - 1, num_microbatches)
+    num_steady = num_microbatches - num_warmup
+    saved: list[tuple] = []  # (input, output) of micro-batches whose backward is still to run, oldest first
+
+    for mb in range(num_warmup):
+        input_tensor = comm.recv_forward((mb, 0))
+        output = run.forward(0, mb, input_tensor, data_iterator)
+        comm.send_forward(output, (mb, 0))
+        if not forward_only:
+            saved.append((input_tensor, output))
+
+    input_tensor = comm.recv_forward((num_warmup, 0)) if num_steady else None
+    for step in range(num_steady):
+        forward_mb, backward_mb = num_warmup + step, step
+        output = run.forward(0, forward_mb, input_tensor, data_iterator)
+        output_grad = comm.send_forward_recv_backward(output, (forward_mb, 0), (backward_mb, 0))
+        saved.append((input_tensor, output))
+        input_tensor, output = saved.pop(0)
+        input_grad = run.backward(0, backward_mb, input_tensor, output, output_grad,
+                                  backward_mb == num_microbatches - 1)
+        if step == num_steady - 1:
+            input_tensor = None
+            comm.send_backward(input_grad, (backward_mb, 0))
+        else:
+            input_tensor = comm.send_backward_recv_forward(input_grad, (backward_mb, 0), (forward_mb + 1, 0))
+
+    if not forward_only:
+        for backward_mb in range(num_steady, num_microbatches):
+            input_tensor, output = saved.pop(0)
+            output_grad = comm.recv_backward((backward_mb, 0))
+            input_grad = run.backward(0, backward_mb, input_tensor, output, output_grad,
+                                      backward_mb == num_microbatches - 1)
+            comm.send_backward(input_grad, (backward_mb, 0))
+    return run.finish(stats)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Interleaved 1F1B
+
+
+class _MicroBatchFeed:
+    """Serves each micro-batch of one data iterator to every model chunk: read once, handed to v chunks.
+
+    Every chunk's forward calls `next(data_iterator)` for its micro-batch, and the interleaved order visits
+    micro-batches out of sequence (chunk 1 of micro-batch 0 after chunk 0 of micro-batches 0..P-1).
+    """
+
+    def __init__(self, data_iterator, num_chunks: int):
+        self.source = data_iterator
+        self.num_chunks = num_chunks
+        self.batches: dict[int, object] = {}
+        self.served: dict[int, int] = {}
+        self.num_read = 0
+
+    def iterator_for(self, microbatch: int):
+        return None if self.source is None else self._one(microbatch)
+
+    def _one(self, microbatch: int):
+        while self.num_read <= microbatch:
+            self.batches[self.num_read] = next(self.source)
+            self.served[self.num_read] = 0
+            self.num_read += 1
+        self.served[microbatch] += 1
+        batch = self.batches[microbatch]
+        if self.served[microbatch] == self.num_chunks:
+            del self.batches[microbatch]
+        yield batch
+
+
+def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterator, model,
+                                                  num_microbatches: int, *, pstate, config,
+                                                  forward_only: bool = False, loss_scale: float = 1.0,
+                                                  stats: ScheduleStats | None = None):
+    """Interleaved 1F1B: v model chunks per stage, micro-batches in groups of P per chunk (Megatron's order).
+
+    Forward number k (of m v on this rank) runs chunk (k mod P v) // P on micro-batch (k // P v) P + k mod P;
+    backwards visit the chunks in reverse. Stage p warms up with 2 (P - p - 1) + (v - 1) P forwards (all of
+    them when m = P), then alternates, sending its output and gradient and receiving the next ones in one
+    exchange. Stages form a ring: the last stage's chunk c feeds the first stage's chunk c + 1.
+    """
+    v, pp, m = len(model), pstate.pp_size, num_microbatches
+    if m % pp:
+        raise ValueError(f"the interleaved schedule needs the micro-batch count ({m}) divisible by the "
+                         f"pipeline size ({pp})")
+    stats = stats if stats is not None else ScheduleStats()
+    run = _MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
+                            stats=stats)
+    comm = _communicator(model, pstate, config)
+    feed = _MicroBatchFeed(data_iterator, v)
+    total = m * v
+    all_warmup = forward_only or m == pp
+    num_warmup = total if all_warmup else min((pp - pstate.pp_rank - 1) * 2 + (v - 1) * pp, total)
+    num_steady = total - num_warmup
+    first, last = pstate.is_first_stage, pstate.is_last_stage
+
+    def chunk_of(k: int, forward: bool) -> int:
+        chunk = (k % (pp * v)) // pp
+        return chunk if forward else v - 1 - chunk
+
+    def microbatch_of(k: int) -> int:
+        return (k // (pp * v)) * pp + k % pp
+
+    inputs = [[] for _ in range(v)]  # received activations waiting for their forward, per chunk
+    grads = [[] for _ in range(v)]  # received output gradients waiting for their backward, per chunk
+    saved = [[] for _ in range(v)]  # (input, output) waiting for backward, per chunk, oldest first
+    inputs_arrived, grads_arrived = [0] * v, [0] * v  # per chunk: the micro-batch the next arrival is for
+
+    def expect_input(chunk: int):
+        return inputs_arrived[chunk], chunk
+
+    def expect_grad(chunk: int):
+        return grads_arrived[chunk], chunk
+
+    def store(chunk_input, chunk_grad, from_prev, from_next):
+        if chunk_input is not None:
+            inputs[chunk_input].append(from_prev)
+            inputs_arrived[chunk_input] += 1
+        if chunk_grad is not None:
+            grads[chunk_grad].append(from_next)
+            grads_arrived[chunk_grad] += 1
+
+    def forward_k(k: int):
+        chunk, mb = chunk_of(k, True), microbatch_of(k)
+        input_tensor = None if (first and chunk == 0) else inputs[chunk].pop(0)
+        output = run.forward(chunk, mb, input_tensor, feed.iterator_for(mb))
+        if not forward_only:
+            saved[chunk].append((input_tensor, output))
+        # [s(/tp), b, h] to the next stage; nothing after the loss
+        return (None if run.computes_loss(chunk) else output), (mb, chunk)
+
+    def backward_k(k: int):
+        chunk, mb = chunk_of(k, False), microbatch_of(k)
+        input_tensor, output = saved[chunk].pop(0)
+        output_grad = None if run.computes_loss(chunk) else grads[chunk].pop(0)
+        input_grad = run.backward(chunk, mb, input_tensor, output, output_grad, mb == m - 1)
+        return input_grad, (mb, chunk)  # None on the first stage's first chunk
+
+    if not first:
+        store(0, None, comm.communicate(recv_prev=expect_input(0))[0], None)
+    for k in range(num_warmup):
+        send, send_label = forward_k(k)
+        next_chunk = chunk_of(k + 1, True)
+        recv_prev = not (first and next_chunk == 0) and k != total - 1
+        recv_next = k == num_warmup - 1 and not all_warmup and not last
+        from_prev, from_next = comm.communicate(
+            send_next=send, send_next_label=send_label,
+            recv_prev=expect_input(next_chunk) if recv_prev else None,
+            recv_next=expect_grad(v - 1) if recv_next else None)
+        store(next_chunk if recv_prev else None, v - 1 if recv_next else None, from_prev, from_next)
+
+    for step in range(num_steady):
+        k_forward, k_backward = num_warmup + step, step
+        send, send_label = forward_k(k_forward)
+        input_grad, grad_label = backward_k(k_backward)
+        # Which chunk the next arrivals are for: the first stage runs P - 1 forwards ahead of the last
+        # one, whose outputs wrap around to this stage's next chunk (and symmetrically for gradients).
+        if first:
+            next_forward_chunk = chunk_of(k_forward - (pp - 1), True) + 1
+            recv_prev = next_forward_chunk != v
+        else:
+            next_forward_chunk, recv_prev = chunk_of(k_forward + 1, True), True
+        if last:
+            next_backward_chunk = chunk_of(k_backward - (pp - 1), False) - 1
+            recv_next = next_backward_chunk != -1
+        else:
+            next_backward_chunk, recv_next = chunk_of(k_backward + 1, False), True
+        recv_prev = recv_prev and step != num_steady - 1
+        from_prev, from_next = comm.communicate(
+            send_next=send, send_next_label=send_label, send_prev=input_grad, send_prev_label=grad_label,
+            recv_prev=expect_input(next_forward_chunk) if recv_prev else None,
+            recv_next=expect_grad(next_backward_chunk) if recv_next else None)
+        store(next_forward_chunk if recv_prev else None, next_backward_chunk if recv_next else None,
+              from_prev, from_next)
+
+    if not forward_only:
+        if all_warmup and not last:
+            store(None, v - 1, None, comm.communicate(recv_next=expect_grad(v - 1))[1])
+        for k in range(num_steady, total):
+            input_grad, grad_label = backward_k(k)
+            next_chunk = chunk_of(k + 1, False)
+            recv_next = not (last and next_chunk == v - 1) and k != total - 1
+            from_next = comm.communicate(send_prev=input_grad, send_prev_label=grad_label,
+                                         recv_next=expect_grad(next_chunk) if recv_next else None)[1]
+            store(None, next_chunk if recv_next else None, None, from_next)
+    return run.finish(stats)
