@@ -417,6 +417,24 @@ def _model_problems(config: Config) -> list[str]:
     return problems
 
 
+def _checkpoint_problems(config: Config) -> list[str]:
+    c, t = config.checkpoint, config.training
+    problems = []
+    if c.save_interval is not None and not c.save:
+        problems.append("--save-interval needs --save DIR")
+    if c.async_save and not c.save:
+        problems.append("--async-save needs --save DIR")
+    for name, value in (("save-interval", c.save_interval), ("keep-last-n", c.keep_last_n),
+                        ("exit-interval", t.exit_interval)):
+        if value is not None and value < 1:
+            problems.append(f"{name} must be at least 1, got {value}")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        problems.append(f"exit-duration-in-mins must be positive, got {t.exit_duration_in_mins}")
+    if (c.finetune or c.no_load_optim or c.no_load_rng) and not c.load:
+        problems.append("--finetune / --no-load-optim / --no-load-rng need --load DIR")
+    return problems
+
+
 def _run_problems(config: Config) -> list[str]:
     m, p, t, o, d = config.model, config.parallel, config.training, config.optimizer, config.data
     problems = []
@@ -436,8 +454,7 @@ def _run_problems(config: Config) -> list[str]:
         problems.append("train-iters must be at least 1")
     if t.micro_batch_size < 1:
         problems.append("micro-batch-size must be at least 1")
-    if config.checkpoint.save_interval is not None and not config.checkpoint.save:
-        problems.append("--save-interval needs --save DIR")
+    problems += _checkpoint_problems(config)
     if not math.isfinite(o.lr) or o.lr < 0:
         problems.append(f"lr must be a non-negative number, got {o.lr}")
     return problems

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_lite.checkpoint.checkpointing import Checkpointer, ResumeState
+from megatron_lite.checkpoint.graceful_exit import ExitConditions, ExitSignalHandler
 from megatron_lite.config import Config, pipeline_stage_layers
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
@@ -210,25 +212,50 @@ def pretrain(config: Config, model_provider, forward_step_func) -> list[dict]:
     model = build_model(config, pstate, model_provider, device)
     params = [p for chunk in model for p in chunk.module.parameters() if p.requires_grad]
     optimizer = Optimizer(params, config.optimizer, pstate)
+    c, t = config.checkpoint, config.training
+    checkpointer = Checkpointer(config, pstate, device) if c.save or c.load else None
+    resume = checkpointer.load_checkpoint(model, optimizer) if c.load else ResumeState()
     train_ds, valid_ds, _ = build_datasets(config)
-    consumed_samples = 0
-    train_iterator = build_data_iterator(train_ds, config, pstate, consumed_samples)
-    valid_iterator = build_data_iterator(valid_ds, config, pstate, 0)
+    consumed_samples = resume.consumed_samples
+    train_iterator = (build_data_iterator(train_ds, config, pstate, consumed_samples)
+                      if resume.iteration < t.train_iters else None)
+    valid_consumed = resume.iteration // t.eval_interval * t.eval_iters * t.global_batch_size
+    valid_iterator = build_data_iterator(valid_ds, config, pstate, valid_consumed)
+    resume.restore_rng(model, device)  # after the data loaders, which draw from the generator when built
     is_logging_rank = pstate.rank == pstate.layout.world_size - 1
     logger = TrainingLogger(config, device, pstate.layout.world_size, is_logging_rank)
     history = []
     for chunk in model:
         chunk.train()
     logger.reset_timer()
-    for iteration in range(config.training.train_iters):
-        metrics = train_step(forward_step_func, train_iterator, model, optimizer, config, pstate, iteration, device)
-        consumed_samples += config.training.global_batch_size
-        metrics["consumed_samples"] = consumed_samples
-        history.append(metrics)
-        logger.log_iteration(iteration + 1, metrics)
-        if valid_iterator is not None and (iteration + 1) % config.training.eval_interval == 0:
-            logger.log_evaluation(iteration + 1, evaluate(forward_step_func, valid_iterator, model, config,
-                                                          pstate, device))
-            logger.reset_timer()
+    completed = resume.iteration
+    with ExitSignalHandler(t.exit_signal_handler) as signal_handler:
+        exit_conditions = ExitConditions(config, pstate, device, signal_handler)
+        for iteration in range(resume.iteration, t.train_iters):
+            metrics = train_step(forward_step_func, train_iterator, model, optimizer, config, pstate, iteration,
+                                 device)
+            consumed_samples += config.training.global_batch_size
+            completed = iteration + 1
+            metrics["consumed_samples"] = consumed_samples
+            history.append(metrics)
+            logger.log_iteration(iteration + 1, metrics)
+            if valid_iterator is not None and (iteration + 1) % config.training.eval_interval == 0:
+                logger.log_evaluation(iteration + 1, evaluate(forward_step_func, valid_iterator, model, config,
+                                                              pstate, device))
+                logger.reset_timer()
+            if checkpointer is not None:
+                checkpointer.maybe_finalize_async_save(blocking=False)
+            if c.save_interval and completed % c.save_interval == 0:
+                checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer)
+                logger.reset_timer()
+            reason = exit_conditions.reason(completed)
+            if reason is not None:
+                if pstate.rank == 0:
+                    print(f" exiting at iteration {completed}: {reason}", flush=True)
+                break
+        if c.save:
+            checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer)
+        if checkpointer is not None:
+            checkpointer.close()
     logger.close()
     return history

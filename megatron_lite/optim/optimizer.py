@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config import OptimizerConfig
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
@@ -79,6 +80,51 @@ class Optimizer:
 
     def state_dict(self) -> dict:
         return self.adam.state_dict()
+
+    def _init_state(self) -> None:
+        """Create Adam's state as its first step would (zero moments, step 0), so it can be loaded into."""
+        for group in self.adam.param_groups:
+            for master in group["params"]:
+                state = self.adam.state[master]
+                if not state:
+                    on_device = group["fused"] or group["capturable"]
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=master.device if on_device else "cpu")
+                    state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+
+    def sharded_state_dict(self, global_names: dict[torch.nn.Parameter, str]) -> list[ShardedTensor]:
+        """Adam's state as boxes of layout-independent global tensors, views of the live state.
+
+        Keys follow Megatron's distributed optimizer: `optimizer.state.{exp_avg,exp_avg_sq}.<global name>`,
+        `optimizer.state.fp32_param.<global name>` for parameters kept in bf16/fp16 (an fp32 parameter is
+        its own master and is saved with the model), and the step count `optimizer.step`. Loading fills
+        these views in place; `load_sharded_state_dict` then finishes the load.
+        """
+        self._init_state()
+        tp_rank, tp_size = self.pstate.tp_rank, self.pstate.tp_size
+        pieces = []
+        for param, master in zip(self.params, self.masters):
+            state = self.adam.state[master]
+            tensors = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+            if master is not param:
+                tensors["fp32_param"] = master
+            for kind, tensor in tensors.items():
+                pieces += shard_boxes(f"optimizer.state.{kind}.{global_names[param]}", param.spec, tp_rank, tp_size,
+                                      tensor)
+        if self.masters:
+            pieces.append(ShardedTensor.whole("optimizer.step", self.adam.state[self.masters[0]]["step"]))
+        return pieces
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, pieces: list[ShardedTensor]) -> None:
+        """Finish a load into the views of `sharded_state_dict`: share the step count, refresh the
+        low-precision parameters from their masters."""
+        step = next((p.data for p in pieces if p.key == "optimizer.step"), None)
+        for param, master in zip(self.params, self.masters):
+            if step is not None:
+                self.adam.state[master]["step"].copy_(step)
+            if master is not param:
+                param.copy_(master)
 
     def load_state_dict(self, state: dict) -> None:
         self.adam.load_state_dict(state)

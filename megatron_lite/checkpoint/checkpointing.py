@@ -1,0 +1,291 @@
+"""Save and load training checkpoints: sharded, layout-independent, synchronous or asynchronous.
+
+What a checkpoint holds (torch.distributed.checkpoint under global keys, see checkpoint/sharded.py):
+  model       `<global name>` for every parameter: global layer index, unpadded vocabulary
+  optimizer   `optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<global name>`, `optimizer.step`
+              (from `optimizer.sharded_state_dict`, plain or distributed optimizer alike)
+  RNG         `rng_state.<layout>.rank_<r>.<generator>`: per rank, only restored in the same layout
+and `metadata.json`: iteration, consumed samples, layout, configuration, versions. The learning rate is a
+function of the iteration and needs no state. Every rank writes only the boxes it holds, in parallel;
+boxes held by several ranks are written once.
+
+An asynchronous save copies this rank's boxes to CPU memory (the only time training waits) and writes
+them from a background thread over a process group of its own, so the training loop's collectives never
+interleave with the save's. The next save, or the end of the run, waits for it; the coordinator commits
+it (checkpoint/directory.py) as soon as every rank has written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import platform
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megatron_lite.checkpoint import directory
+from megatron_lite.checkpoint.planner import (
+    CheckpointError,
+    SafeFileSystemReader,
+    ShardedLoadPlanner,
+    ShardedSavePlanner,
+    missing_or_mismatched,
+    state_dict_of,
+)
+from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
+from megatron_lite.config import Config
+from megatron_lite.parallel.state import ParallelState
+
+FORMAT = "megatron_lite/dcp/1"
+
+
+def _modules(model: list) -> list[torch.nn.Module]:
+    """The model chunks without their data-parallel wrappers."""
+    return [getattr(chunk, "module", chunk) for chunk in model]
+
+
+def global_parameter_names(model: list) -> dict[torch.nn.Parameter, str]:
+    return {param: name for module in _modules(model) for name, param in module.named_global_parameters()}
+
+
+def model_sharded_state_dict(model: list, pstate: ParallelState) -> list[ShardedTensor]:
+    """This rank's boxes of every parameter. A last stage's copy of tied embeddings gives the same boxes
+    as the first stage's table: it is written once and loaded from the same key."""
+    pieces = []
+    for param, name in global_parameter_names(model).items():
+        pieces += shard_boxes(name, param.spec, pstate.tp_rank, pstate.tp_size, param.detach())
+    return pieces
+
+
+def layout_tag(config: Config, device: torch.device) -> str:
+    """Which generator states a rank has: they only carry over to the same ranks of the same layout."""
+    p = config.parallel
+    return (f"tp{p.tensor_model_parallel_size}_cp{p.context_parallel_size}_dp{p.data_parallel_size}_"
+            f"pp{p.pipeline_model_parallel_size}_ep{p.expert_model_parallel_size}_"
+            f"vp{p.num_layers_per_virtual_pipeline_stage or 0}_{device.type}")
+
+
+def _rng_trackers(model: list) -> list:
+    return [getattr(getattr(module, "decoder", None), "rng_tracker", None) for module in _modules(model)]
+
+
+def rng_states(model: list, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every random generator the run draws from: torch's default (CPU and GPU) and each chunk's
+    tensor-parallel stream."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    for index, tracker in enumerate(_rng_trackers(model)):
+        if tracker is not None:
+            states[f"tracker_{index}"] = tracker.state
+    return states
+
+
+def set_rng_states(model: list, device: torch.device, states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+    for index, tracker in enumerate(_rng_trackers(model)):
+        if tracker is not None:
+            tracker.state = states[f"tracker_{index}"].clone()
+
+
+@dataclasses.dataclass
+class ResumeState:
+    """Where a run continues: the iteration and data position, and generator states to restore once
+    everything that draws at start-up (data loaders) has been built."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    rng: dict[str, torch.Tensor] | None = None
+
+    def restore_rng(self, model: list, device: torch.device) -> None:
+        if self.rng is not None:
+            set_rng_states(model, device, self.rng)
+
+
+def _versions() -> dict:
+    try:
+        package = importlib.metadata.version("megatron-lite")
+    except importlib.metadata.PackageNotFoundError:
+        package = "unknown"
+    return {"megatron_lite": package, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def stored_bytes(metadata) -> int:
+    """Bytes a DCP checkpoint with this metadata holds on disk."""
+    return sum(info.length for info in metadata.storage_data.values())
+
+
+class Checkpointer:
+    """Saves and loads the checkpoints of one run, for every rank (all methods are collective)."""
+
+    def __init__(self, config: Config, pstate: ParallelState, device: torch.device):
+        self.config = config
+        self.pstate = pstate
+        self.device = device
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        # A group of its own (gloo: the staged tensors live in CPU memory) so that a background save never
+        # interleaves its collectives with the training loop's.
+        self.group = dist.new_group(backend="gloo") if self.distributed else None
+        self.is_coordinator = pstate.rank == 0
+        self.executor = ThreadPoolExecutor(max_workers=1) if config.checkpoint.async_save else None
+        self.pending: Future | None = None
+        self.last_saved_iteration: int | None = None
+
+    # -----------------------------------------------------------------------------------------------------
+    # Save
+
+    def save_checkpoint(self, iteration: int, consumed_samples: int, model: list, optimizer) -> float:
+        """Save after `iteration` completed iterations; returns the seconds training was blocked."""
+        start = time.perf_counter()
+        self.maybe_finalize_async_save(blocking=True)
+        if iteration == self.last_saved_iteration:
+            return time.perf_counter() - start
+        root = self.config.checkpoint.save
+        pieces = model_sharded_state_dict(model, self.pstate)
+        if optimizer is not None:
+            pieces += optimizer.sharded_state_dict(global_parameter_names(model))
+        tag = layout_tag(self.config, self.device)
+        pieces += [ShardedTensor.whole(f"rng_state.{tag}.rank_{self.pstate.rank}.{name}", state)
+                   for name, state in rng_states(model, self.device).items()]
+        if self.is_coordinator:
+            directory.prepare(root, iteration)
+        self._barrier()
+        metadata = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                    "layout": {**dataclasses.asdict(self.pstate.layout),
+                               "vp": self.config.parallel.num_layers_per_virtual_pipeline_stage},
+                    "rng_layout": tag, "config": self.config.to_dict(), "versions": _versions(),
+                    "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        self.last_saved_iteration = iteration
+        if self.executor is None:
+            self._write(pieces, root, iteration, metadata)
+            self._barrier()
+        else:
+            staged = [dataclasses.replace(p, data=p.data.detach().to("cpu", copy=True)) for p in pieces]
+            self.pending = self.executor.submit(self._write, staged, root, iteration, metadata)
+        return time.perf_counter() - start
+
+    def _write(self, pieces: list[ShardedTensor], root: str, iteration: int, metadata: dict) -> None:
+        """Write this rank's boxes (DCP drops those another rank writes), then commit on the coordinator."""
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            written = dcp.save(state_dict_of(pieces), planner=ShardedSavePlanner(pieces),
+                               storage_writer=dcp.FileSystemWriter(directory.temporary_path(root, iteration)),
+                               process_group=self.group, no_dist=not self.distributed)
+        if self.is_coordinator:
+            path = directory.commit(root, iteration, metadata, self.config.checkpoint.keep_last_n)
+            seconds = time.perf_counter() - start
+            print(f" saved checkpoint at iteration {iteration} to {path} ({stored_bytes(written) / 1e6:.1f} MB "
+                  f"in {seconds:.2f} s)", flush=True)
+
+    def maybe_finalize_async_save(self, blocking: bool) -> None:
+        """Finish a background save: re-raise its error; with `blocking`, wait for it on every rank."""
+        if self.pending is None or not (blocking or self.pending.done()):
+            return
+        pending, self.pending = self.pending, None
+        pending.result()
+        if blocking:
+            self._barrier()
+
+    def close(self) -> None:
+        self.maybe_finalize_async_save(blocking=True)
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    # -----------------------------------------------------------------------------------------------------
+    # Load
+
+    def _agreed_iteration(self, root: str) -> int | None:
+        """The newest complete iteration under `root` as the coordinator sees it, on every rank."""
+        found = torch.tensor([-1], dtype=torch.int64)
+        if self.is_coordinator:
+            latest = directory.latest_iteration(root)
+            found[0] = -1 if latest is None else latest
+        if self.group is not None:
+            dist.broadcast(found, src=0, group=self.group)
+        return None if found.item() < 0 else int(found.item())
+
+    def load_checkpoint(self, model: list, optimizer) -> ResumeState:
+        """Load the newest complete checkpoint of --load into the model (and optimizer, RNG, position)."""
+        c = self.config.checkpoint
+        iteration = self._agreed_iteration(c.load)
+        if iteration is None:
+            if c.finetune:
+                raise CheckpointError(f"--finetune needs a checkpoint, but --load {c.load} holds none")
+            self._log(f" no checkpoint in {c.load}; training from scratch")
+            return ResumeState()
+        path = directory.checkpoint_path(c.load, iteration)
+        saved = directory.read_metadata(path)
+        stored = SafeFileSystemReader(path).read_metadata()
+        model_pieces = model_sharded_state_dict(model, self.pstate)
+        pieces = list(model_pieces)
+        optimizer_pieces = []
+        if optimizer is not None and not (c.no_load_optim or c.finetune):
+            optimizer_pieces = optimizer.sharded_state_dict(global_parameter_names(model))
+            pieces += optimizer_pieces
+        rng = None
+        tag = layout_tag(self.config, self.device)
+        if not (c.no_load_rng or c.finetune):
+            if saved.get("rng_layout") == tag:
+                rng = {name: torch.empty_like(state) for name, state in rng_states(model, self.device).items()}
+                pieces += [ShardedTensor.whole(f"rng_state.{tag}.rank_{self.pstate.rank}.{name}", state)
+                           for name, state in rng.items()]
+            else:
+                self._log(f" random generator states not restored: saved in layout {saved.get('rng_layout')}, "
+                          f"running in {tag}")
+        self._agree_loadable(pieces, stored, path)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state_dict_of(pieces), planner=ShardedLoadPlanner(pieces),
+                     storage_reader=SafeFileSystemReader(path), process_group=self.group,
+                     no_dist=not self.distributed)
+        if optimizer_pieces:
+            optimizer.load_sharded_state_dict(optimizer_pieces)
+        self._log(f" loaded checkpoint {path} (saved in layout {saved['rng_layout']}) at iteration {iteration}")
+        if c.finetune:
+            return ResumeState()
+        self.last_saved_iteration = iteration
+        return ResumeState(iteration, saved["consumed_samples"], rng)
+
+    def _agree_loadable(self, pieces: list[ShardedTensor], stored, path: str) -> None:
+        """Raise on every rank if any rank cannot find what it needs, before the collective load starts."""
+        problems = missing_or_mismatched(pieces, stored)
+        flag = torch.tensor([float(bool(problems))])
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if problems:
+            hint = " (pass --no-load-optim to skip the optimizer state)" if "optimizer." in problems[0] else ""
+            raise CheckpointError(f"cannot load {path}: {problems[0]}{hint}")
+        if flag.item() > 0:
+            raise CheckpointError(f"cannot load {path}: another rank found a problem (see its error)")
+
+    def _log(self, message: str) -> None:
+        if self.is_coordinator:
+            print(message, flush=True)
+
+
+def read_checkpoint_tensors(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every global tensor of checkpoint directory `path` whose key starts with `prefix`, whole, read in this
+    process alone (for tools and tests; a training run loads only its own boxes)."""
+    stored = SafeFileSystemReader(path).read_metadata()
+    pieces = [ShardedTensor(key, torch.empty(md.size, dtype=md.properties.dtype), tuple(md.size), (0,) * len(md.size))
+              for key, md in stored.state_dict_metadata.items()
+              if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state_dict_of(pieces), planner=ShardedLoadPlanner(pieces), storage_reader=SafeFileSystemReader(path),
+                 no_dist=True)
+    return {piece.key: piece.data for piece in pieces}

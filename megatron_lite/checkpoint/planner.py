@@ -1,0 +1,156 @@
+"""torch.distributed.checkpoint (DCP) glue: save and load lists of ShardedTensor boxes, and read safely.
+
+DCP writes one file per rank plus a `.metadata` index of every global tensor's chunks. Its default
+planners take a state dict of whole tensors, DTensors or torch ShardedTensors; ours take the boxes of
+checkpoint/sharded.py directly, so a rank may hold any number of boxes of one global tensor at any
+offsets (SwiGLU halves, distributed-optimizer flat ranges) without building a device mesh.
+
+Save: each box becomes one write item indexed by (key, global offset). DCP's coordinator drops items
+that several ranks hold (data-parallel replicas, tied embedding copies) so each is written once, and
+refuses a plan whose boxes overlap or leave a gap. Load: each box reads the overlapping parts of the
+stored chunks, whatever layout wrote them.
+
+Safety: DCP unpickles `.metadata` with plain `pickle` and byte items with `torch.load(weights_only=False)`.
+`SafeFileSystemReader` reads `.metadata` with an unpickler that only builds DCP's metadata classes, and the
+load planner refuses byte items; tensors are read by DCP with `torch.load(weights_only=True)`. A crafted
+checkpoint therefore fails to load instead of running code.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, Metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megatron_lite.checkpoint.sharded import ShardedTensor
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded as asked; the message says what to change."""
+
+
+def _index(piece: ShardedTensor) -> tuple[str, tuple[int, ...]]:
+    return piece.key, tuple(piece.global_offset)
+
+
+def state_dict_of(pieces: list[ShardedTensor]) -> dict[str, torch.Tensor]:
+    """The flat dict DCP's save/load/async-save entry points pass around: one entry per box."""
+    return {f"{p.key}@{','.join(map(str, p.global_offset))}": p.data for p in pieces}
+
+
+class ShardedSavePlanner(DefaultSavePlanner):
+    """Plans one write item per box, at its global offset in its global tensor."""
+
+    def __init__(self, pieces: list[ShardedTensor]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {_index(p): p for p in pieces}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for piece in self.pieces.values():
+            data = piece.data
+            items.append(WriteItem(
+                index=MetadataIndex(piece.key, torch.Size(piece.global_offset)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(piece.global_offset), sizes=data.shape),
+                    properties=TensorProperties.create_from_tensor(data),
+                    size=torch.Size(piece.global_shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[(index.fqn, tuple(index.offset))].data
+
+
+class ShardedLoadPlanner(DefaultLoadPlanner):
+    """Reads into each box the parts of the stored chunks it overlaps. Byte (pickled) items are refused."""
+
+    def __init__(self, pieces: list[ShardedTensor]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {_index(p): p for p in pieces}
+
+    def create_local_plan(self) -> LoadPlan:
+        problems = missing_or_mismatched(self.pieces.values(), self.metadata)
+        if problems:
+            raise CheckpointError(problems[0])
+        requests = []
+        for piece in self.pieces.values():
+            chunk = ChunkStorageMetadata(offsets=torch.Size(piece.global_offset), sizes=piece.data.shape)
+            requests += create_read_items_for_chunk_list(piece.key, self.metadata.state_dict_metadata[piece.key],
+                                                         [chunk])
+        self.plan = LoadPlan(requests)
+        return self.plan
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[(index.fqn, tuple(index.offset))].data
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn} is a pickled object; refusing to "
+                              f"unpickle it (megatron_lite checkpoints hold tensors only)")
+
+
+def missing_or_mismatched(pieces, metadata: Metadata) -> list[str]:
+    """Why the boxes cannot be read from a checkpoint with `metadata` (empty when they can)."""
+    problems = []
+    for piece in pieces:
+        stored = metadata.state_dict_metadata.get(piece.key)
+        if stored is None:
+            problems.append(f"the checkpoint has no tensor '{piece.key}'")
+        elif not isinstance(stored, TensorStorageMetadata):
+            problems.append(f"checkpoint entry '{piece.key}' is not a tensor")
+        elif tuple(stored.size) != tuple(piece.global_shape):
+            problems.append(f"checkpoint tensor '{piece.key}' has global shape {tuple(stored.size)} but this "
+                            f"model expects {tuple(piece.global_shape)}; the model configuration differs")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading `.metadata` without running code
+
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                 "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.storage", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only DCP metadata classes, torch dtypes and plain containers; anything else is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which a DCP index never holds; "
+                              f"refusing to load it")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with `.metadata` read by the allow-list unpickler above."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
