@@ -73,9 +73,9 @@ class Corpus:
 
 def load_corpus(inputs: list[str], keys: list[str], cache_dir: str | None = None) -> Corpus:
     """The documents of `inputs`, checked to hold the text columns `keys`."""
+    kind, files = resolve_inputs(inputs)
     import datasets
 
-    kind, files = resolve_inputs(inputs)
     if kind == "saved":
         dataset = datasets.load_from_disk(files[0])
         if isinstance(dataset, datasets.DatasetDict):

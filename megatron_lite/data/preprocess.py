@@ -7,6 +7,7 @@ workers. Each --json-keys column becomes its own `PREFIX_KEY_document` dataset, 
 
 import collections
 import multiprocessing
+import sys
 import time
 from dataclasses import dataclass
 
@@ -74,38 +75,34 @@ def preprocess(inputs: list[str], output_prefix: str, json_keys: list[str], toke
     tokenizer = build_tokenizer(*tokenizer_args)
     token_dtype = np.dtype(dtype) if dtype else smallest_dtype(tokenizer.vocab_size)
     check_dtype_holds(token_dtype, tokenizer.vocab_size)
-    corpus = load_corpus(inputs, json_keys, cache_dir=cache_dir)
-
-    stats = {key: PreprocessStats(output_prefix_for(output_prefix, key)) for key in json_keys}
-    builders = {key: IndexedDatasetBuilder(stats[key].prefix, token_dtype) for key in json_keys}
-    batches = corpus.batches(json_keys, _BATCH_DOCUMENTS)
-    pool = None
+    _init_worker(tokenizer_args, append_eod, token_dtype)
+    pool = _start_pool(workers, tokenizer_args, append_eod, token_dtype) if workers > 1 else None
     try:
-        if workers == 1:
-            _init_worker(tokenizer_args, append_eod, token_dtype)
-            results = map(_encode_batch, batches)
-        else:
-            pool = multiprocessing.get_context("spawn").Pool(
-                workers, initializer=_init_worker, initargs=(tokenizer_args, append_eod, token_dtype))
-            results = _ordered_map(pool, batches, window=_BATCHES_IN_FLIGHT * workers)
-        _write(results, builders, stats, total=len(corpus), progress=progress)
-        for builder in builders.values():
-            builder.finalize()
-    except BaseException:
-        for builder in builders.values():
-            builder.abort()
-        raise
+        corpus = load_corpus(inputs, json_keys, cache_dir=cache_dir)
+        batches = corpus.batches(json_keys, _BATCH_DOCUMENTS)
+        results = map(_encode_batch, batches) if pool is None else _ordered_map(pool, batches, workers)
+        return _write(results, output_prefix, json_keys, token_dtype, total=len(corpus), progress=progress)
     finally:
         if pool is not None:
             pool.terminate()
-    return stats
 
 
-def _ordered_map(pool, batches, window: int):
-    """`pool.imap(_encode_batch, batches)` with at most `window` batches read ahead.
+def _start_pool(workers: int, tokenizer_args: tuple, append_eod: bool, dtype: np.dtype):
+    """Tokenizer processes, forked on Linux before the reader starts any threads.
+
+    A forked worker is ready in about 0.1 s; a spawned one re-imports Python modules for a second
+    or more, which is most of the run on a small corpus. Elsewhere fork is unsafe, so we spawn.
+    """
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    return context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_args, append_eod, dtype))
+
+
+def _ordered_map(pool, batches, workers: int):
+    """`pool.imap(_encode_batch, batches)` with a bounded number of batches read ahead.
 
     imap reads its whole input as fast as it can; a corpus larger than memory needs the bound.
     """
+    window = _BATCHES_IN_FLIGHT * workers
     pending = collections.deque()
     for batch in batches:
         pending.append(pool.apply_async(_encode_batch, (batch,)))
@@ -115,20 +112,32 @@ def _ordered_map(pool, batches, window: int):
         yield pending.popleft().get()
 
 
-def _write(results, builders, stats, total: int, progress: bool) -> None:
+def _write(results, output_prefix: str, json_keys: list[str], dtype: np.dtype, total: int,
+           progress: bool) -> dict[str, PreprocessStats]:
+    """Append each encoded batch to the datasets, in order; nothing is left behind on failure."""
+    stats = {key: PreprocessStats(output_prefix_for(output_prefix, key)) for key in json_keys}
+    builders = {key: IndexedDatasetBuilder(stats[key].prefix, dtype) for key in json_keys}
     start = time.perf_counter()
     tokens = 0
-    with tqdm(total=total, unit="doc", disable=not progress, desc="tokenizing") as bar:
-        for encoded in results:
-            for key, arrays in encoded.items():
-                for array in arrays:
-                    if array.size == 0:
-                        stats[key].empty_documents += 1
-                        continue
-                    builders[key].add_document(array)
-                    stats[key].documents += 1
-                    stats[key].tokens += array.size
-                    tokens += array.size
-            bar.update(len(arrays))
-            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s",
-                                refresh=False)
+    try:
+        with tqdm(total=total, unit="doc", disable=not progress, desc="tokenizing") as bar:
+            for encoded in results:
+                for key, arrays in encoded.items():
+                    for array in arrays:
+                        if array.size == 0:
+                            stats[key].empty_documents += 1
+                            continue
+                        builders[key].add_document(array)
+                        stats[key].documents += 1
+                        stats[key].tokens += array.size
+                        tokens += array.size
+                bar.update(len(arrays))
+                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s",
+                                    refresh=False)
+        for builder in builders.values():
+            builder.finalize()
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    return stats
