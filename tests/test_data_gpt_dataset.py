@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import pickle
 import time
 
 import numpy as np
@@ -86,6 +87,14 @@ def test_the_index_is_cached_beside_the_data_and_reused(corpus, tmp_path, monkey
     second = dataset(corpus, 30)
     assert np.array_equal(first.shuffle_index, second.shuffle_index)
     assert sorted(os.listdir(tmp_path / "cache")) == files
+
+
+def test_pickling_sends_file_names_not_tokens(corpus):
+    ds = dataset(corpus, 500)  # what a spawned DataLoader worker receives
+    payload = pickle.dumps(ds)
+    assert len(payload) < 2000
+    copy = pickle.loads(payload)
+    assert all(np.array_equal(copy[i], ds[i]) for i in range(len(ds)))
 
 
 def _build_in_process(prefix, log, results):

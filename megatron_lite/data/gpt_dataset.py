@@ -25,6 +25,7 @@ from megatron_lite.data.index_cache import default_cache_dir, load_or_build
 from megatron_lite.data.indexed_dataset import IndexedDataset
 
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+_INDICES = ("document_index", "sample_index", "shuffle_index")
 
 
 class GPTDataset:
@@ -59,9 +60,16 @@ class GPTDataset:
         indices = load_or_build(cache_dir or default_cache_dir(indexed_dataset.prefix), description,
                                 lambda: build_indices(indexed_dataset.sequence_lengths, document_ids,
                                                       num_samples, seq_length, seed))
-        self.document_index = indices["document_index"]
-        self.sample_index = indices["sample_index"]
-        self.shuffle_index = indices["shuffle_index"]
+        self.document_index, self.sample_index, self.shuffle_index = (indices[name] for name in _INDICES)
+
+    def __getstate__(self) -> dict:
+        """Pickle the paths of the memory-mapped index files, not their contents."""
+        return {**self.__dict__, **{name: getattr(self, name).filename for name in _INDICES}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        for name in _INDICES:
+            setattr(self, name, np.load(state[name], mmap_mode="r"))
 
     def __len__(self) -> int:
         return len(self.shuffle_index)

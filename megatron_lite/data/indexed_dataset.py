@@ -113,6 +113,10 @@ class IndexedDataset:
             raise ValueError(f"{bin_path(prefix)} is truncated ({len(self._bin)} of {needed} bytes); "
                              f"rerun tools/preprocess_data.py")
 
+    def __reduce__(self):
+        """Pickle the prefix, not the mapped files: a spawned DataLoader worker maps them itself."""
+        return IndexedDataset, (self.prefix,)
+
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
