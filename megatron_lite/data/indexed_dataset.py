@@ -78,8 +78,8 @@ class IndexedDataset:
     def __init__(self, prefix: str):
         for path in (idx_path(prefix), bin_path(prefix)):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} not found; --data-path takes the prefix of a "
-                                        f"PREFIX.bin/PREFIX.idx pair made by tools/preprocess_data.py")
+                raise FileNotFoundError(f"{path} not found; give the PREFIX of a PREFIX.bin/PREFIX.idx "
+                                        f"pair made by tools/preprocess_data.py")
         self.prefix = prefix
         self._index = np.memmap(idx_path(prefix), dtype=np.uint8, mode="r")
         if len(self._index) < _HEADER.size:
