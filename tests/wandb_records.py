@@ -5,6 +5,7 @@ records, each with a 7-byte header (crc32, length, type) where type FULL=1, FIRS
 """
 
 import struct
+import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2
@@ -38,8 +39,17 @@ def _items(items) -> dict:
     return {item.key or "/".join(item.nested_key): item.value_json for item in items}
 
 
-def read_run(path: str) -> dict:
-    """{"project", "name", "config": {key: json}, "history": [{key: json}, ...]} of one offline run."""
+def read_run(path: str, timeout_s: float = 60.0) -> dict:
+    """{"project", "name", "config": {key: json}, "history": [{key: json}, ...]} of one offline run.
+
+    wandb's core process may still be writing the file when `finish()` returns: wait for the exit
+    record, which comes last.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not any(r.WhichOneof("record_type") == "exit" for r in read_records(path)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} has no exit record after {timeout_s}s")
+        time.sleep(0.2)
     run = {"history": []}
     for record in read_records(path):
         kind = record.WhichOneof("record_type")
