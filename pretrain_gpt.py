@@ -13,6 +13,7 @@ from functools import partial
 import torch
 
 from megatron_lite.config import Config, ConfigError, parse_config
+from megatron_lite.model.context_parallel import get_batch_on_this_cp_rank
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.training import ChunkPlan, padded_vocab_for, pretrain
@@ -23,7 +24,8 @@ def model_provider(config: Config, pstate: ParallelState, plan: ChunkPlan, devic
     return GPTModel(config.model, pstate, padded_vocab=padded_vocab_for(config), seed=config.training.seed,
                     pre_process=plan.pre_process, post_process=plan.post_process,
                     layer_offset=plan.layer_offset, num_layers=plan.num_layers,
-                    sequence_parallel=config.parallel.sequence_parallel, device=device)
+                    sequence_parallel=config.parallel.sequence_parallel, device=device,
+                    cp_comm_type=config.parallel.cp_comm_type)
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -34,8 +36,10 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    """Read one micro-batch and run it through this model chunk."""
-    batch = next(data_iterator)
+    """Read one micro-batch (the same on every rank of the cp group), keep this cp rank's share of the
+    sequence, and run it through this model chunk."""
+    pstate = getattr(model, "module", model).pstate
+    batch = get_batch_on_this_cp_rank(next(data_iterator), pstate)
     device = next(model.parameters()).device
     tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
     output = model(tokens, batch["position_ids"].to(device), labels=labels)

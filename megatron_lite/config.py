@@ -332,6 +332,9 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
     if cp > 1 and m.seq_length % (2 * cp):
         problems.append(f"seq-length ({m.seq_length}) must be divisible by 2 x context-parallel-size "
                         f"({2 * cp}) for load-balanced context parallelism")
+    if cp > 1 and m.attention_dropout > 0:
+        problems.append(f"attention-dropout ({m.attention_dropout}) must be 0 with context-parallel-size > 1 "
+                        f"(ring attention has no dropout); pass --attention-dropout 0")
     if (dp * cp) % ep:
         problems.append(f"expert-model-parallel-size ({ep}) must divide data-parallel x context-parallel "
                         f"size ({dp} x {cp} = {dp * cp})")

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.context_parallel import context_parallel_attention
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.random import RNGTracker, checkpoint
 from megatron_lite.parallel.state import ParallelState
@@ -56,16 +57,26 @@ def choose_attention_backend(requested: str, device: torch.device) -> str:
 
 
 class CoreAttention(torch.nn.Module):
-    """softmax(Q K^T / sqrt(d)) V over this rank's heads, causal, with key/value heads shared per group."""
+    """softmax(Q K^T / sqrt(d)) V over this rank's heads, causal, with key/value heads shared per group.
 
-    def __init__(self, dropout: float, backend: str, rng_tracker: RNGTracker | None):
+    With a context-parallel group the local sequence is this rank's two load-balanced chunks and attention
+    spans the whole group's sequence (model/context_parallel.py; `cp_comm_type` is --cp-comm-type).
+    """
+
+    def __init__(self, dropout: float, backend: str, rng_tracker: RNGTracker | None, cp_group=None):
         super().__init__()
+        if cp_group is not None and dropout > 0:
+            raise ValueError("attention dropout is not supported with context parallelism; set it to 0")
         self.dropout = dropout
         self.backend = backend
         self.rng_tracker = rng_tracker
+        self.cp_group = cp_group
+        self.cp_comm_type = "p2p"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [s, b, nh, d], k/v [s, b, ng, d] -> [s, b, nh * d]."""
+        if self.cp_group is not None:
+            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self.backend)
         s, b = q.shape[:2]
         dropout = self.dropout if self.training else 0.0
         if self.backend == "flash":
@@ -94,7 +105,7 @@ class SelfAttention(torch.nn.Module):
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, pstate, bias=bias,
                                                sequence_parallel=sequence_parallel)
-        self.core_attention = CoreAttention(config.attention_dropout, backend, rng_tracker)
+        self.core_attention = CoreAttention(config.attention_dropout, backend, rng_tracker, pstate.group("cp"))
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              pstate, bias=bias, sequence_parallel=sequence_parallel)
         self.recompute_core_attention = False

@@ -62,7 +62,7 @@ class GPTModel(torch.nn.Module):
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, padded_vocab: int, seed: int,
                  pre_process: bool = True, post_process: bool = True, layer_offset: int = 0,
                  num_layers: int | None = None, sequence_parallel: bool = False,
-                 device: torch.device | None = None, mlp_factory=None):
+                 device: torch.device | None = None, mlp_factory=None, cp_comm_type: str = "p2p"):
         super().__init__()
         device = device or torch.device("cpu")
         self.config = config
@@ -86,6 +86,7 @@ class GPTModel(torch.nn.Module):
             mlp = mlp_factory(number) if mlp_factory is not None else None
             layers.append(TransformerLayer(config, pstate, number, sequence_parallel=sequence_parallel,
                                            attention_backend=backend, rng_tracker=tracker, mlp=mlp))
+            layers[-1].self_attention.core_attention.cp_comm_type = cp_comm_type
         self.decoder = TransformerBlock(layers, config, final_norm=post_process,
                                         sequence_parallel=sequence_parallel, rng_tracker=tracker)
         if post_process:
@@ -126,7 +127,8 @@ class GPTModel(torch.nn.Module):
     # ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, labels [b, s]; position_ids [s].
+        """input_ids, labels [b, s]; position_ids [s]: the positions of this rank's tokens (with context
+        parallelism s is the local s/cp, two load-balanced chunks; see get_batch_on_this_cp_rank).
 
         Returns the per-token loss [b, s] on the last stage when labels are given, this rank's vocab
         slice of the logits [b, s, v/tp] when not, and the hidden states [s(/tp), b, h] elsewhere.

@@ -1,0 +1,349 @@
+"""Context parallelism: the sequence split over the cp group, and causal attention computed across it.
+
+Load balancing. With a causal mask the last tokens attend to the most keys, so contiguous slices would
+give the last cp rank most of the work. The sequence is cut into 2 x cp chunks and rank i holds chunks i
+and 2cp-1-i (Megatron's layout): every rank then does the same work. Tokens, labels, loss mask and
+position ids are all split this way (`get_batch_on_this_cp_rank`); the model sees only the local
+positions, so RoPE and learned positions need nothing else. Everything outside attention is per token.
+
+Ring attention (--cp-comm-type p2p). Each rank keeps its queries; the key/value blocks travel around the
+cp ring, one hop a step, the next block's isend/irecv running while the current block is computed. A
+block gives a partial output normalised over its own keys and the log-sum-exp (LSE) of its scores; the
+partials are merged with the online-softmax rule. In backward K/V go around the ring again, with the
+accumulated dK/dV of each block travelling one hop behind them, so that after cp steps every block's
+gradient is back with its owner. For rank i and the block of rank j the causal mask is exact with three
+cases and never an explicit mask:
+  j == i   both local chunks against both: causal (the local concatenation is in sequence order)
+  j <  i   both query chunks see all of chunk j and none of chunk 2cp-1-j: the first kv half, no mask
+  j >  i   only query chunk 2cp-1-i sees chunks j and 2cp-1-j, all of them: second q half, no mask
+
+All-gather (--cp-comm-type allgather, as in Llama 3's training). K and V of the whole sequence are
+gathered on every rank (small with GQA); each local query chunk attends to the prefix it may see
+(earlier chunks unmasked, its own chunk causal). Backward gathers K/V again and reduce-scatters their
+gradients to the owners. Simpler than the ring and as fast at small cp, but each rank briefly holds the
+sequence's K/V.
+
+Block kernels return the LSE: flash-attn on CUDA when installed, torch's CPU flash-attention kernel (the
+one SDPA runs on CPU) on CPU, plain fp32 matmuls otherwise. The running output, LSE and gradient
+accumulators are fp32 whatever the activation dtype. No rank holds more than one block of scores, and
+only for the duration of a kernel call; activations saved for backward are those of the local s/cp tokens.
+Attention dropout is not supported here (config validation says so).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.state import ParallelState
+
+try:  # optional CUDA kernels that return the log-sum-exp
+    from flash_attn.flash_attn_interface import _flash_attn_backward, flash_attn_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_func = _flash_attn_backward = None
+
+_KV_TAG, _DKV_TAG = 11, 12  # distinct from the pipeline's tags; K/V and dK/dV may be in flight together
+
+
+# ---------------------------------------------------------------------------------------------------
+# The batch split
+
+
+def load_balanced_indices(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Positions held by `cp_rank`: chunks cp_rank and 2cp-1-cp_rank of 2cp equal chunks, in that order."""
+    chunk = seq_length // (2 * cp_size)
+    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat((torch.arange(first, first + chunk), torch.arange(second, second + chunk)))
+
+
+def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], pstate: ParallelState) -> dict[str, torch.Tensor]:
+    """This cp rank's share of a micro-batch every rank of the cp group has read.
+
+    Every tensor has the sequence as its last dimension (tokens, labels, loss_mask [b, s]; position_ids
+    [s]): [..., s] -> [..., s/cp]. position_ids become the rank's true positions, not a plain arange.
+    """
+    if pstate.cp_size == 1:
+        return batch
+    seq_length = batch["tokens"].shape[-1]
+    index = load_balanced_indices(seq_length, pstate.cp_size, pstate.cp_rank)
+    return {key: value.index_select(-1, index.to(value.device)) for key, value in batch.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block kernels: q [b, sq, nh, d], k/v [b, sk, ng, d] -> out [b, sq, nh, d] normalised over this block's
+# keys and lse [b, nh, sq] (fp32). `causal` is only asked of square blocks, where top-left and
+# bottom-right alignment agree. The backward takes the merged output and LSE of all blocks: with them a
+# block's gradients are exactly its share of the full attention's gradients (as in flash-attention).
+
+
+class CpuFlashKernel:
+    """torch's CPU flash-attention kernel, which returns the LSE and takes it back in backward."""
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *(t.transpose(1, 2) for t in (q, k, v)), 0.0, causal, scale=scale)  # [b, n, s, d] layout
+        return out.transpose(1, 2), lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.contiguous(), 0.0, causal, scale=scale)
+        return tuple(g.transpose(1, 2) for g in grads)
+
+
+class FlashAttnKernel:
+    """flash-attn 2 (>= 2.6) on CUDA: its public forward returns the LSE, its backward op accepts one."""
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+        return out, lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _flash_attn_backward(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+                             lse.contiguous(), dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
+                             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                             deterministic=False)
+        return dq, dk, dv
+
+
+class MathKernel:
+    """Plain matmuls in fp32 on any device: one [b, nh, sq, sk] block of scores at a time."""
+
+    @staticmethod
+    def _expand(q, k, v):
+        """[b, s, n, d] -> [b, n, s, d] in fp32, K/V heads repeated for their query heads (GQA)."""
+        groups = q.shape[2] // k.shape[2]
+        return (q.float().transpose(1, 2), k.float().transpose(1, 2).repeat_interleave(groups, 1),
+                v.float().transpose(1, 2).repeat_interleave(groups, 1))
+
+    @staticmethod
+    def _scores(q, k, causal: bool, scale: float):
+        scores = q @ k.transpose(-1, -2) * scale  # [b, nh, sq, sk]
+        if causal:
+            future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+            scores.masked_fill_(future, float("-inf"))
+        return scores
+
+    @classmethod
+    def forward(cls, q, k, v, causal: bool, scale: float):
+        qf, kf, vf = cls._expand(q, k, v)
+        scores = cls._scores(qf, kf, causal, scale)
+        lse = scores.logsumexp(-1)  # [b, nh, sq]
+        out = (scores - lse.unsqueeze(-1)).exp() @ vf
+        return out.transpose(1, 2).to(q.dtype), lse
+
+    @classmethod
+    def backward(cls, dout, q, k, v, out, lse, causal: bool, scale: float):
+        qf, kf, vf = cls._expand(q, k, v)
+        probs = (cls._scores(qf, kf, causal, scale) - lse.unsqueeze(-1)).exp()  # [b, nh, sq, sk]
+        do, of = dout.float().transpose(1, 2), out.float().transpose(1, 2)
+        dv = probs.transpose(-1, -2) @ do
+        dscores = probs * (do @ vf.transpose(-1, -2) - (do * of).sum(-1, keepdim=True))
+        dq = dscores @ kf * scale
+        dk = dscores.transpose(-1, -2) @ qf * scale
+        b, ng, sk, d = k.shape[0], k.shape[2], k.shape[1], k.shape[3]
+        fold = lambda g: g.view(b, ng, -1, sk, d).sum(2).transpose(1, 2).to(k.dtype)  # noqa: E731 - sum a group
+        return dq.transpose(1, 2).to(q.dtype), fold(dk), fold(dv)
+
+
+def choose_block_kernel(backend: str, device: torch.device):
+    """The kernel for the attention backend: flash-attn's when chosen, else torch's on CPU, else matmuls."""
+    if backend == "flash":
+        return FlashAttnKernel
+    return CpuFlashKernel if device.type == "cpu" else MathKernel
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Online softmax: fold a block's output and LSE into the running fp32 ones, in place (views allowed)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    rows = lambda x: x.transpose(1, 2).unsqueeze(-1)  # noqa: E731 - [b, nh, sq] -> [b, sq, nh, 1]
+    out.mul_(rows(lse - new_lse).exp()).add_(block_out.float() * rows(block_lse - new_lse).exp())
+    lse.copy_(new_lse)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ring attention
+
+
+class _Ring:
+    """This rank's neighbours in the cp ring, and one hop of a tensor around it.
+
+    Plain isend/irecv, even ranks sending first and odd ranks receiving first (Megatron's order), so that
+    a backend that serialises a pair's operations (NCCL) pairs every send with its receive;
+    batch_isend_irecv is avoided because it can hang on gloo.
+    """
+
+    def __init__(self, group):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def shift(self, tensor: torch.Tensor, tag: int):
+        """Start sending `tensor` to the next rank and receiving the previous rank's; wait() the works."""
+        received = torch.empty_like(tensor)
+        ops = [(dist.isend, tensor, self.next), (dist.irecv, received, self.prev)]
+        if self.rank % 2:
+            ops.reverse()
+        return received, [op(t, peer, group=self.group, tag=tag) for op, t, peer in ops]
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of the local query chunks over the whole sequence, K/V passed around the cp ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, kernel):
+        """q [b, s/cp, nh, d], k/v [b, s/cp, ng, d] (chunks i and 2cp-1-i) -> [b, s/cp, nh, d]."""
+        ring = _Ring(group)
+        scale, half = q.shape[-1] ** -0.5, q.shape[1] // 2
+        kv = torch.stack((k, v))  # [2, b, s/cp, ng, d]: one message a hop
+        out = lse = None
+        for step in range(ring.size):
+            if step + 1 < ring.size:
+                next_kv, works = ring.shift(kv, _KV_TAG)  # overlapped with this block's compute
+            source = (ring.rank - step) % ring.size
+            if step == 0:
+                out, lse = kernel.forward(q, k, v, True, scale)
+                out = out.float()
+            elif source < ring.rank:
+                _merge(out, lse, *kernel.forward(q, kv[0, :, :half], kv[1, :, :half], False, scale))
+            else:
+                _merge(out[:, half:], lse[..., half:], *kernel.forward(q[:, half:], kv[0], kv[1], False, scale))
+            if step + 1 < ring.size:
+                _wait(works)
+                kv = next_kv
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.kernel = group, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, kernel = _Ring(ctx.group), ctx.kernel
+        scale, half = q.shape[-1] ** -0.5, q.shape[1] // 2
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v))
+        earlier, dkv_works = None, []  # the dK/dV received from the previous rank, and its transfer
+        for step in range(ring.size):
+            if step + 1 < ring.size:
+                next_kv, kv_works = ring.shift(kv, _KV_TAG)
+            source = (ring.rank - step) % ring.size
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this rank's share for the block
+            if step == 0:
+                grads = kernel.backward(dout, q, k, v, out, lse, True, scale)
+                dq_rows, dkv_rows = dq, dkv
+            elif source < ring.rank:
+                grads = kernel.backward(dout, q, kv[0, :, :half], kv[1, :, :half], out, lse, False, scale)
+                dq_rows, dkv_rows = dq, dkv[:, :, :half]
+            else:
+                grads = kernel.backward(dout[:, half:], q[:, half:], kv[0], kv[1], out[:, half:], lse[..., half:],
+                                        False, scale)
+                dq_rows, dkv_rows = dq[:, half:], dkv
+            dq_rows += grads[0]
+            dkv_rows[0] += grads[1]
+            dkv_rows[1] += grads[2]
+            if earlier is not None:  # the block's gradient so far, from the ranks that held it before
+                _wait(dkv_works)
+                dkv += earlier
+            earlier, dkv_works = ring.shift(dkv, _DKV_TAG)
+            if step + 1 < ring.size:
+                _wait(kv_works)
+                kv = next_kv
+        _wait(dkv_works)  # after cp hops, this rank's own block's gradient is home
+        dk, dv = earlier.to(k.dtype).unbind(0)
+        return dq.to(q.dtype), dk, dv, None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# All-gather attention
+
+
+def _chunks_to_sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
+    """[cp * s/cp, ...] gathered in rank order (each rank's chunks r, 2cp-1-r) -> [s, ...] in sequence order."""
+    by_rank = gathered.view(cp, 2, -1, *gathered.shape[1:])
+    return torch.cat((by_rank[:, 0], by_rank[:, 1].flip(0))).flatten(0, 1)
+
+
+def _chunks_to_rank_order(sequence: torch.Tensor, cp: int) -> torch.Tensor:
+    """Inverse of `_chunks_to_sequence_order`."""
+    chunks = sequence.view(2 * cp, -1, *sequence.shape[1:])
+    return torch.stack((chunks[:cp], chunks[cp:].flip(0)), dim=1).flatten(0, 2)
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """k/v [b, s/cp, ng, d] -> the whole sequence's [2, b, s, ng, d], in sequence order."""
+    local = torch.stack((k, v)).permute(2, 0, 1, 3, 4)  # [s/cp, 2, b, ng, d]: sequence first to gather
+    return _chunks_to_sequence_order(mappings.all_gather_dim0(local, group), cp).permute(1, 2, 0, 3, 4)
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """Causal attention of the local query chunks against the gathered K/V of the whole sequence."""
+
+    @staticmethod
+    def _blocks(q_chunk_ids, chunk: int):
+        """(query rows, kv rows, causal) for each local query chunk: its own chunk, then its prefix."""
+        for half, c in enumerate(q_chunk_ids):
+            rows = slice(half * chunk, (half + 1) * chunk)
+            yield rows, slice(c * chunk, (c + 1) * chunk), True
+            if c > 0:
+                yield rows, slice(0, c * chunk), False
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, kernel):
+        """q [b, s/cp, nh, d], k/v [b, s/cp, ng, d] (chunks i and 2cp-1-i) -> [b, s/cp, nh, d]."""
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        scale, chunk = q.shape[-1] ** -0.5, q.shape[1] // 2
+        kv = _gather_kv(k, v, group, cp)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+        for rows, kv_rows, causal in AllGatherAttention._blocks((rank, 2 * cp - 1 - rank), chunk):
+            block_out, block_lse = kernel.forward(q[:, rows], kv[0, :, kv_rows], kv[1, :, kv_rows], causal, scale)
+            if causal:  # a chunk's own block comes first and covers every row
+                out[:, rows], lse[..., rows] = block_out, block_lse
+            else:
+                _merge(out[:, rows], lse[..., rows], block_out, block_lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.kernel = group, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, kernel = ctx.group, ctx.kernel
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        scale, chunk = q.shape[-1] ** -0.5, q.shape[1] // 2
+        kv = _gather_kv(k, v, group, cp)  # gathered again rather than kept: memory stays ~ s/cp
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # [2, b, s, ng, d]
+        for rows, kv_rows, causal in AllGatherAttention._blocks((rank, 2 * cp - 1 - rank), chunk):
+            dq_b, dk_b, dv_b = kernel.backward(dout[:, rows], q[:, rows], kv[0, :, kv_rows], kv[1, :, kv_rows],
+                                               out[:, rows], lse[..., rows], causal, scale)
+            dq[:, rows] += dq_b
+            dkv[0, :, kv_rows] += dk_b
+            dkv[1, :, kv_rows] += dv_b
+        by_rank = _chunks_to_rank_order(dkv.permute(2, 0, 1, 3, 4), cp)  # [s, 2, b, ng, d], rank order
+        dk, dv = mappings.reduce_scatter_dim0(by_rank, group).permute(1, 2, 0, 3, 4).to(k.dtype).unbind(0)
+        return dq.to(q.dtype), dk, dv, None, None
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
+                               backend: str) -> torch.Tensor:
+    """q [s/cp, b, nh, d], k/v [s/cp, b, ng, d] of this rank's chunks -> [s/cp, b, nh * d], causal over the
+    whole sequence of the cp group."""
+    s, b = q.shape[:2]
+    kernel = choose_block_kernel(backend, q.device)
+    attention = RingAttention if comm_type == "p2p" else AllGatherAttention
+    out = attention.apply(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), group, kernel)
+    return out.transpose(0, 1).reshape(s, b, -1)  # [b, s/cp, nh, d] -> [s/cp, b, nh*d]

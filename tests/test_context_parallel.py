@@ -1,0 +1,243 @@
+"""Context parallelism: CP 2 and 4, ring (p2p) and all-gather, equal the single-device model.
+
+One call on a 4-rank world runs every model case (CP2 x DP2 and CP4, both comm types, Llama with GQA and
+RoPE and GPT-2 with learned positions) and returns each rank's logits and per-token losses for its
+positions and the gradients summed over the cp group; the pytest process puts the sequence back together
+and compares with the single-device model built from the same seed. Training runs CP2 with TP2 + SP, DP2
+and PP2 for 10 steps against one process.
+"""
+
+import functools
+import io
+from contextlib import redirect_stderr
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pretrain_gpt
+from megatron_lite.config import ConfigError, make_config
+from megatron_lite.model.context_parallel import (
+    CpuFlashKernel,
+    MathKernel,
+    _merge,
+    get_batch_on_this_cp_rank,
+    load_balanced_indices,
+)
+from megatron_lite.model.gpt import GPTModel
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.state import Layout, ParallelState
+from megatron_lite.training import pretrain
+from tests.harness import run_on_ranks
+
+LLAMA = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 64,
+         "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 128, "seq_length": 256,
+         "max_position_embeddings": 256, "vocab_size": 500}
+GPT2 = {**LLAMA, "model_preset": "gpt2-124m", "num_query_groups": None, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0}
+VALUES = {"llama": LLAMA, "gpt2": GPT2}
+BATCH, PADDED_VOCAB, SEED = 2, 512, 7
+MODEL_CASES = [("llama", 2, "p2p"), ("llama", 2, "allgather"), ("llama", 4, "p2p"), ("llama", 4, "allgather"),
+               ("gpt2", 2, "p2p")]  # (model, cp, --cp-comm-type)
+
+
+def make_batch(seq_length: int) -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, LLAMA["vocab_size"], (BATCH, seq_length + 1), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(BATCH, seq_length)
+    mask[1, -9:] = 0  # some padding, on the last rank-pair's chunk
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
+            "position_ids": torch.arange(seq_length)}
+
+
+def saved_activation_bytes(model, fn):
+    """Run fn(); bytes of the tensors autograd saved for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = fn()
+    return out, sum(storages.values())
+
+
+def run_model(model: GPTModel, batch: dict) -> dict:
+    """Logits, per-token losses, gradients of the masked loss sum, activation bytes saved for backward."""
+    with torch.no_grad():
+        logits = model(batch["tokens"], batch["position_ids"])
+    loss, saved = saved_activation_bytes(model, lambda: model(batch["tokens"], batch["position_ids"], batch["labels"]))
+    (loss * batch["loss_mask"]).sum().backward()
+    grads = {name: p.grad for name, p in model.named_global_parameters()}
+    return {"logits": logits, "loss": loss.detach(), "grads": grads, "saved_bytes": saved}
+
+
+def build(name: str, pstate: ParallelState, comm_type: str = "p2p") -> GPTModel:
+    return GPTModel(make_config(VALUES[name]).model, pstate, padded_vocab=PADDED_VOCAB, seed=SEED,
+                    cp_comm_type=comm_type)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker side
+
+
+def cp_model_cases(cases):
+    results = []
+    for name, cp, comm_type in cases:
+        pstate = ParallelState.build(Layout(cp=cp, dp=4 // cp))
+        batch = get_batch_on_this_cp_rank(make_batch(VALUES[name]["seq_length"]), pstate)
+        result = run_model(build(name, pstate, comm_type), batch)
+        for grad in result["grads"].values():
+            mappings.all_reduce(grad, pstate.group("cp"))
+        if pstate.cp_rank:
+            result["grads"] = None  # every cp rank holds the same sums
+        results.append({**result, "cp_rank": pstate.cp_rank, "dp_rank": pstate.dp_rank,
+                        "positions": batch["position_ids"]})
+    return results
+
+
+@functools.lru_cache
+def single_device(name: str) -> dict:
+    return run_model(build(name, ParallelState.single()), make_batch(VALUES[name]["seq_length"]))
+
+
+def test_cp2_and_cp4_both_comm_types_match_single_device():
+    per_rank = run_on_ranks(4, cp_model_cases, MODEL_CASES)
+    for index, (name, cp, comm_type) in enumerate(MODEL_CASES):
+        reference = single_device(name)
+        ranks = [results[index] for results in per_rank]
+        for dp_rank in range(4 // cp):
+            replica = sorted((r for r in ranks if r["dp_rank"] == dp_rank), key=lambda r: r["cp_rank"])
+            assert [r["cp_rank"] for r in replica] == list(range(cp))
+            seq_length = VALUES[name]["seq_length"]
+            logits = torch.empty_like(reference["logits"])
+            loss = torch.empty_like(reference["loss"])
+            for r in replica:
+                assert torch.equal(r["positions"], load_balanced_indices(seq_length, cp, r["cp_rank"]))
+                logits[:, r["positions"]] = r["logits"]
+                loss[:, r["positions"]] = r["loss"]
+                # activations saved for backward fall with the local sequence (no [s, s], no gathered K/V)
+                assert r["saved_bytes"] < 1.1 * reference["saved_bytes"] / cp, (name, cp, comm_type)
+            case = f"{name} cp{cp} {comm_type}"
+            torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-5, msg=case)
+            torch.testing.assert_close(loss, reference["loss"], rtol=1e-5, atol=1e-5, msg=case)
+            grads = replica[0]["grads"]
+            assert grads.keys() == reference["grads"].keys()
+            for param, grad in reference["grads"].items():
+                torch.testing.assert_close(grads[param], grad, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, p=param, c=case: f"{c} {p}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block kernels and the merge, in the pytest process
+
+
+@pytest.mark.parametrize("kernel", [CpuFlashKernel, MathKernel])
+def test_block_kernels_merged_by_lse_equal_causal_sdpa(kernel):
+    """Causal attention assembled from three blocks (two causal diagonals, one unmasked rectangle) merged by
+    log-sum-exp equals SDPA, forward and backward, with GQA."""
+    b, s, nh, ng, d, half = 2, 48, 4, 2, 16, 24
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, s, n, d, generator=generator).requires_grad_() for n in (nh, ng, ng))
+    reference = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                               enable_gqa=True).transpose(1, 2)
+    dout = torch.randn(reference.shape, generator=generator)
+    reference.backward(dout)
+    blocks = [(slice(0, half), slice(0, half), True), (slice(half, s), slice(half, s), True),
+              (slice(half, s), slice(0, half), False)]
+    scale = d ** -0.5
+    with torch.no_grad():
+        out = torch.empty(q.shape)
+        lse = torch.empty(b, nh, s)
+        for rows, keys, causal in blocks:
+            block_out, block_lse = kernel.forward(q[:, rows], k[:, keys], v[:, keys], causal, scale)
+            if causal:
+                out[:, rows], lse[..., rows] = block_out, block_lse
+            else:
+                _merge(out[:, rows], lse[..., rows], block_out, block_lse)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for rows, keys, causal in blocks:
+            dq, dk, dv = kernel.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+                                         lse[..., rows], causal, scale)
+            grads[0][:, rows] += dq
+            grads[1][:, keys] += dk
+            grads[2][:, keys] += dv
+    for grad, tensor in zip(grads, (q, k, v)):
+        torch.testing.assert_close(grad, tensor.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_split_is_load_balanced():
+    assert load_balanced_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert load_balanced_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sorted(torch.cat([load_balanced_indices(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
+
+    class Rank1Of2:
+        cp_size, cp_rank = 2, 1
+
+    batch = make_batch(8)
+    local = get_batch_on_this_cp_rank(batch, Rank1Of2)
+    assert local["position_ids"].tolist() == [2, 3, 4, 5]
+    for key in ("tokens", "labels", "loss_mask"):
+        assert torch.equal(local[key], batch[key][:, 2:6])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--seq-length", "100", "--max-position-embeddings", "100", "--context-parallel-size", "4"],
+     "seq-length (100) must be divisible by 2 x context-parallel-size (8)"),
+    (["--model-preset", "gpt2-124m", "--context-parallel-size", "2"],
+     "attention-dropout (0.1) must be 0 with context-parallel-size > 1"),
+])
+def test_bad_cp_input_is_one_line_error(argv, expected, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    stderr = io.StringIO()
+    with redirect_stderr(stderr):
+        code = pretrain_gpt.main(["--model-preset", "llama-tiny", "--mock-data", *argv])
+    assert code == 2
+    lines = stderr.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error (rank 0): ") and expected in lines[0], lines
+    with pytest.raises(ConfigError, match="context-parallel-size"):
+        make_config({"model_preset": "llama-tiny", "mock_data": True, "seq_length": 100,
+                     "max_position_embeddings": 100, "context_parallel_size": 4}, 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training: CP composed with TP + SP, DP and PP equals one process
+
+
+TRAIN = {**LLAMA, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 10, "lr": 3e-3,
+         "lr_warmup_iters": 1, "eval_interval": 1000, "log_interval": 1000}
+LAYOUTS = {
+    "cp2_tp2_sp": {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "cp2_dp2_allgather": {"context_parallel_size": 2, "cp_comm_type": "allgather"},
+    "cp2_pp2": {"context_parallel_size": 2, "pipeline_model_parallel_size": 2},
+}
+
+
+def train(values: dict, world_size: int):
+    config = make_config(values, world_size)
+    return [(h["lm_loss"], h["grad_norm"]) for h in pretrain(config, pretrain_gpt.model_provider,
+                                                              pretrain_gpt.forward_step)]
+
+
+def train_layouts(layouts: dict) -> dict:
+    return {name: train({**TRAIN, **extra}, 4) for name, extra in layouts.items()}
+
+
+def test_cp2_with_tp2_sp_dp2_pp2_trains_as_one_process():
+    reference = train(TRAIN, 1)
+    per_rank = run_on_ranks(4, train_layouts, LAYOUTS)
+    for name in LAYOUTS:
+        for rank, history in enumerate(r[name] for r in per_rank):
+            assert len(history) == TRAIN["train_iters"]
+            for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(history, reference)):
+                assert loss == pytest.approx(ref_loss, rel=1e-5), (name, rank, step)
+                assert norm == pytest.approx(ref_norm, rel=1e-5), (name, rank, step)
+    assert reference[-1][0] < reference[0][0]
