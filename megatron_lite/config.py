@@ -324,6 +324,10 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
     if m.num_query_groups % tp:
         problems.append(f"num-query-groups ({m.num_query_groups}) must be divisible by "
                         f"tensor-model-parallel-size ({tp})")
+    dense_mlp = not m.num_experts or m.moe_layer_freq > 1
+    if dense_mlp and m.ffn_hidden_size % tp:
+        problems.append(f"ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by "
+                        f"tensor-model-parallel-size ({tp})")
     if p.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs tensor-model-parallel-size > 1; drop the flag or raise TP")
     if p.sequence_parallel and (m.seq_length // cp) % tp:
