@@ -4,7 +4,7 @@ One call on a 4-rank world runs every model case (CP2 x DP2 and CP4, both comm t
 RoPE and GPT-2 with learned positions) and returns each rank's logits and per-token losses for its
 positions and the gradients summed over the cp group; the pytest process puts the sequence back together
 and compares with the single-device model built from the same seed. Training runs CP2 with TP2 + SP, DP2
-and PP2 for 10 steps against one process.
+(all-gather, full recomputation) and PP2 for 10 steps against one process.
 """
 
 import functools
@@ -216,7 +216,8 @@ TRAIN = {**LLAMA, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 
          "lr_warmup_iters": 1, "eval_interval": 1000, "log_interval": 1000}
 LAYOUTS = {
     "cp2_tp2_sp": {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
-    "cp2_dp2_allgather": {"context_parallel_size": 2, "cp_comm_type": "allgather"},
+    "cp2_dp2_allgather_recompute": {"context_parallel_size": 2, "cp_comm_type": "allgather",
+                                    "recompute_granularity": "full"},
     "cp2_pp2": {"context_parallel_size": 2, "pipeline_model_parallel_size": 2},
 }
 
