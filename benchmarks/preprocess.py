@@ -6,8 +6,8 @@ Both sides read the same jsonl through `datasets`, use the same sentencepiece to
 trained into a temporary folder when data/tokenizer.model is missing), append the eod token, and
 write every token to disk: ours as Megatron .bin/.idx, the baseline as the plain recipe
 `load_dataset(...).map(tokenize, batched=True, num_proc=N)` then one numpy array saved with
-np.save. Each configuration runs --repeats times and reports the median wall time, from reading
-the input to files on disk. The outputs are checked to hold the same tokens. Results go to
+np.save. Each configuration runs --repeats times, interleaved with the others, and reports the median
+wall time, from reading the input to files on disk. The outputs are checked to hold the same tokens. Results go to
 benchmarks/results/preprocess_DATE.{json,md}.
 """
 
@@ -59,16 +59,13 @@ def run_baseline(corpus: str, tokenizer: str, workers: int, folder: str, cache: 
     return np.load(os.path.join(folder, "tokens.npy"), mmap_mode="r")
 
 
-def timed(fn, repeats: int, corpus: str, tokenizer: str, workers: int, cache: str):
-    """(median seconds, all seconds, tokens written) over `repeats` runs, each into a fresh folder."""
-    times = []
-    for _ in range(repeats):
-        with tempfile.TemporaryDirectory() as folder:
-            start = time.perf_counter()
-            tokens = fn(corpus, tokenizer, workers, folder, cache)
-            times.append(time.perf_counter() - start)
-            tokens = np.array(tokens)
-    return statistics.median(times), times, tokens
+def timed(fn, corpus: str, tokenizer: str, workers: int, cache: str) -> tuple[float, np.ndarray]:
+    """(seconds, tokens written) for one run into a fresh folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        tokens = fn(corpus, tokenizer, workers, folder, cache)
+        seconds = time.perf_counter() - start
+        return seconds, np.array(tokens)
 
 
 def machine() -> dict:
@@ -80,7 +77,8 @@ def machine() -> dict:
     import datasets
     import sentencepiece
 
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
+            "platform": platform.platform(),
             "python": platform.python_version(), "numpy": np.__version__, "datasets": datasets.__version__,
             "sentencepiece": sentencepiece.__version__}
 
@@ -106,22 +104,28 @@ def main() -> None:
         if not os.path.isfile(tokenizer):
             tokenizer = train_sentencepiece([args.corpus], os.path.join(scratch, "tok"), 4000, ["text"],
                                             cache_dir=cache, progress=False)
+        vocab_size = build_tokenizer("SentencePieceTokenizer", tokenizer).vocab_size
         import datasets
 
         datasets.disable_progress_bars()
         datasets.load_dataset("json", data_files=args.corpus, split="train", cache_dir=cache)  # parse once
-        runs, reference = [], None
         configurations = [("megatron_lite preprocess", run_ours, 1), ("megatron_lite preprocess", run_ours, 2),
                           ("datasets.map baseline", run_baseline, 1), ("datasets.map baseline", run_baseline, 2)]
-        for name, fn, workers in configurations:
-            median, times, tokens = timed(fn, args.repeats, args.corpus, tokenizer, workers, cache)
-            if reference is None:
-                reference = tokens
-            if not np.array_equal(tokens, reference):
-                sys.exit(f"{name} with {workers} workers wrote different tokens")
+        times = [[] for _ in configurations]
+        reference = None
+        for _ in range(args.repeats):  # configurations interleaved, so a change in machine load hits all
+            for (name, fn, workers), seconds in zip(configurations, times):
+                elapsed, tokens = timed(fn, args.corpus, tokenizer, workers, cache)
+                reference = tokens if reference is None else reference
+                if not np.array_equal(tokens, reference):
+                    sys.exit(f"{name} with {workers} workers wrote different tokens")
+                seconds.append(elapsed)
+        runs = []
+        for (name, _, workers), seconds in zip(configurations, times):
+            median = statistics.median(seconds)
             runs.append({"name": name, "workers": workers, "seconds_median": round(median, 3),
-                         "seconds": [round(t, 3) for t in times], "tokens_per_s": round(len(tokens) / median)})
-            print(f"{name:26s} workers={workers}: {median:6.2f} s  {len(tokens) / median:12,.0f} tokens/s")
+                         "seconds": [round(t, 3) for t in seconds], "tokens_per_s": round(len(reference) / median)})
+            print(f"{name:26s} workers={workers}: {median:6.2f} s  {len(reference) / median:12,.0f} tokens/s")
 
     with open(args.corpus) as f:
         documents = sum(1 for _ in f)
@@ -131,8 +135,8 @@ def main() -> None:
     result = {"benchmark": "preprocess", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": "python benchmarks/preprocess.py " + " ".join(sys.argv[1:]), "commit": git_commit(),
               "machine": machine(), "corpus": os.path.relpath(args.corpus, REPO), "documents": documents,
-              "tokens": int(len(reference)), "tokenizer": "sentencepiece BPE, 4000 ids", "repeats": args.repeats,
-              "runs": runs}
+              "tokens": int(len(reference)), "tokenizer": f"sentencepiece BPE, {vocab_size} ids",
+              "repeats": args.repeats, "runs": runs}
     write_results(result, args.output_dir)
 
 
@@ -144,7 +148,8 @@ def write_results(result: dict, output_dir: str) -> None:
     m = result["machine"]
     lines = [f"# Preprocessing throughput, {result['date']}", "",
              f"`{result['command']}` at commit {result['commit']} on {m['cpu']} ({m['cpu_count']} cores), "
-             f"{m['platform']}, Python {m['python']}, datasets {m['datasets']}, sentencepiece {m['sentencepiece']}.",
+             f"{m['platform']}, Python {m['python']}, datasets {m['datasets']}, sentencepiece {m['sentencepiece']}; "
+             f"1-minute load average {m['load_average_1min']} when the runs ended.",
              "", f"Corpus: {result['corpus']}, {result['documents']} documents, {result['tokens']:,} tokens "
              f"({result['tokenizer']}, eod appended). Median of {result['repeats']} runs, from reading the input "
              f"to tokens on disk; all outputs hold the same tokens.", "",
