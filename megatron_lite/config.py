@@ -100,6 +100,9 @@ class OptimizerConfig:
     fp16: bool = False
     loss_scale: float | None = None  # a fixed fp16 loss scale; dynamic when unset
     initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000  # steps without overflow before the dynamic loss scale doubles
+    hysteresis: int = 2  # overflows before the dynamic loss scale halves
 
 
 @dataclass
@@ -462,6 +465,25 @@ def _run_problems(config: Config) -> list[str]:
     if t.micro_batch_size < 1:
         problems.append("micro-batch-size must be at least 1")
     problems += _checkpoint_problems(config)
+    problems += _optimizer_problems(config)
     if not math.isfinite(o.lr) or o.lr < 0:
         problems.append(f"lr must be a non-negative number, got {o.lr}")
+    return problems
+
+
+def _optimizer_problems(config: Config) -> list[str]:
+    o, p = config.optimizer, config.parallel
+    problems = []
+    if o.loss_scale is not None and not o.fp16:
+        problems.append("--loss-scale only applies with --fp16 (bf16 and fp32 need no loss scaling)")
+    for name, value in (("loss-scale", o.loss_scale), ("initial-loss-scale", o.initial_loss_scale),
+                        ("min-loss-scale", o.min_loss_scale)):
+        if value is not None and not value > 0:
+            problems.append(f"{name} must be positive, got {value}")
+    if o.hysteresis < 1 or o.loss_scale_window < 1:
+        problems.append(f"hysteresis ({o.hysteresis}) and loss-scale-window ({o.loss_scale_window}) must be at "
+                        f"least 1")
+    if p.overlap_param_gather and p.data_parallel_sharding_strategy == "no_shard":
+        problems.append("--overlap-param-gather needs --use-distributed-optimizer (or a "
+                        "--data-parallel-sharding-strategy other than no_shard)")
     return problems

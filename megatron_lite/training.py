@@ -20,6 +20,7 @@ from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.logging import TrainingLogger
+from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.grad_buffer import DistributedDataParallel
 from megatron_lite.optim.lr_schedule import learning_rate
@@ -79,6 +80,12 @@ def model_chunk_plans(config: Config, pp_rank: int) -> list[ChunkPlan]:
                       c == chunks - 1 and pp_rank == pp - 1) for c in range(chunks)]
 
 
+def params_dtype(config: Config) -> torch.dtype:
+    """The dtype of the model's weights and activations (gradients and masters stay fp32)."""
+    o = config.optimizer
+    return torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32
+
+
 def build_model(config: Config, pstate: ParallelState, model_provider, device) -> list[DistributedDataParallel]:
     """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
     chunks = []
@@ -86,8 +93,8 @@ def build_model(config: Config, pstate: ParallelState, model_provider, device) -
         module = model_provider(config, pstate, plan, device)
         p = config.parallel
         chunks.append(DistributedDataParallel(
-            module, pstate, overlap_grad_reduce=p.overlap_grad_reduce,
-            shard_grads=p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")))
+            module, pstate, overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
+            data_parallel_sharding_strategy=p.data_parallel_sharding_strategy, param_dtype=params_dtype(config)))
     return chunks
 
 
@@ -180,11 +187,13 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
     for chunk in model:
         chunk.zero_grad_buffer()
     reports, tokens = get_schedule(config)(
-        forward_step_func, data_iterator, model, config.num_microbatches, pstate=pstate, config=config)
+        forward_step_func, data_iterator, model, config.num_microbatches, pstate=pstate, config=config,
+        loss_scale=optimizer.loss_scale)
     finalize_model_grads(model, pstate, tokens.to(device))
     lr = learning_rate(config.optimizer, iteration)
-    grad_norm = optimizer.step(lr)
-    return {"lm_loss": reduce_loss(reports, pstate, device), "grad_norm": grad_norm, "lr": lr}
+    update_successful, grad_norm = optimizer.step(lr)
+    return {"lm_loss": reduce_loss(reports, pstate, device), "grad_norm": grad_norm, "lr": lr,
+            "loss_scale": optimizer.loss_scale, "skipped_iter": int(not update_successful)}
 
 
 @torch.no_grad()
@@ -210,8 +219,7 @@ def pretrain(config: Config, model_provider, forward_step_func) -> list[dict]:
     pstate, device = initialize(config)
     set_vocab_size_from_tokenizer(config)
     model = build_model(config, pstate, model_provider, device)
-    params = [p for chunk in model for p in chunk.module.parameters() if p.requires_grad]
-    optimizer = Optimizer(params, config.optimizer, pstate)
+    optimizer = build_optimizer(config, model, pstate)
     c, t = config.checkpoint, config.training
     checkpointer = Checkpointer(config, pstate, device) if c.save or c.load else None
     resume = checkpointer.load_checkpoint(model, optimizer) if c.load else ResumeState()

@@ -1,6 +1,8 @@
 """After the last micro-batch's backward: make every rank's gradients those of the global batch mean.
 
-1. Data parallel: each chunk's buckets are reduced over dp x cp (expert buckets over expert dp).
+1. Data parallel: each chunk's buckets are reduced over dp x cp (expert buckets over expert dp); with a
+   sharded strategy each rank holds the reduced gradients of its shard only, and steps 2-4 work on those
+   (every rank of a TP group, and the first and last stage, hold the same ranges of the same parameters).
 2. Sequence parallel: replicated parameters that saw only a sequence slice (norms, row-parallel biases,
    learned positions) hold partial gradients; they are summed over TP.
 3. Tied embeddings split over pipeline stages: the first and last stage add their gradients.
@@ -17,15 +19,16 @@ from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 
 
-def _all_reduce_main_grads(params: list[torch.nn.Parameter], group) -> None:
-    if group is None or not params:
+def _all_reduce_grads(grads: list[torch.Tensor], group) -> None:
+    """Sum 1-D gradient views over `group` with one collective."""
+    if group is None or not grads:
         return
-    flat = torch.cat([p.main_grad.reshape(-1) for p in params])
+    flat = torch.cat(grads)
     mappings.all_reduce(flat, group)
     offset = 0
-    for p in params:
-        p.main_grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()])
+        offset += grad.numel()
 
 
 def global_token_count(local_tokens: torch.Tensor, pstate: ParallelState) -> torch.Tensor:
@@ -41,10 +44,11 @@ def finalize_model_grads(model_chunks: list[DistributedDataParallel], pstate: Pa
     """Reduce and normalise the gradients of all chunks; returns the global token count."""
     for chunk in model_chunks:
         chunk.finish_grad_sync()
-    params = [p for chunk in model_chunks for p in chunk.module.parameters() if p.requires_grad]
-    _all_reduce_main_grads([p for p in params if p.spec.sequence_parallel], pstate.group("tp"))
-    shared = [p for chunk in model_chunks for p in chunk.module.shared_embedding_parameters()]
-    _all_reduce_main_grads(shared, pstate.group("embedding"))
+    sequence_parallel = [g for chunk in model_chunks for g in chunk.main_grad_shards(
+        p for p in chunk.module.parameters() if p.requires_grad and p.spec.sequence_parallel)]
+    _all_reduce_grads(sequence_parallel, pstate.group("tp"))
+    shared = [g for chunk in model_chunks for g in chunk.main_grad_shards(chunk.module.shared_embedding_parameters())]
+    _all_reduce_grads(shared, pstate.group("embedding"))
     tokens = global_token_count(local_tokens, pstate)
     for chunk in model_chunks:
         chunk.scale_gradients(1.0 / float(tokens))

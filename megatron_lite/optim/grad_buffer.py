@@ -1,138 +1,452 @@
-"""Contiguous gradient buffers cut into buckets, and the data-parallel wrapper that reduces them.
+"""Contiguous parameter and gradient buffers cut into buckets, and the data-parallel wrapper that reduces them.
 
-Megatron-style data parallelism: every parameter gets a `main_grad` view into one contiguous fp32
-buffer (one per kind: dense parameters reduce over the dp x cp group, expert parameters over the
-expert-data-parallel group). Parameters are laid out in reverse order of creation, which is roughly the
-order their gradients become ready in backward, and the buffer is cut into buckets of about
-`bucket_size` elements. A bucket is reduced with one collective: an all-reduce for plain data
-parallelism, a reduce-scatter for the distributed optimizer (each rank keeps the shard it updates).
-With `overlap_grad_reduce` a bucket's collective starts as soon as its last gradient has been
-accumulated in the final micro-batch's backward pass; otherwise all start after backward.
+Megatron-style data parallelism. Every parameter gets a `main_grad` view into a contiguous fp32 gradient
+buffer, one per kind of parameter (dense parameters reduce over the dp x cp group, expert parameters over
+the expert-data-parallel group) and dtype. Parameters are laid out in reverse order of creation, which is
+roughly the order their gradients become ready in backward, and cut into buckets of about `bucket_size`
+elements, each padded to a multiple of the group size so that a reduce-scatter gives every rank an equal,
+contiguous shard. A bucket is reduced with one collective. Gradients are summed, not averaged: the
+training loop divides by the number of tokens in the global batch afterwards.
 
-Gradients are summed, not averaged: the training loop divides by the number of tokens in the global
-batch afterwards, which makes the loss a mean over tokens whatever the split across ranks.
+`data_parallel_sharding_strategy` (the ZeRO stage) decides what a rank keeps between steps:
+
+  no_shard            all-reduce; every rank holds every gradient, and steps every parameter
+  optim               ZeRO-1: reduce-scatter into the full gradient buffer; the distributed optimizer steps
+                      this rank's shard only and all-gathers the parameters (kept in per-bucket buffers)
+  optim_grads         ZeRO-2: as optim, but only the gradient shard persists. A bucket's gradients are summed
+                      in a temporary buffer during one micro-batch's backward and reduce-scattered into the
+                      shard as soon as the bucket is complete, in every micro-batch (DeepSpeed's trade: more
+                      communication for 1/d of the gradient memory)
+  optim_grads_params  ZeRO-3: as optim_grads, and parameters live only as shards between uses
+
+ZeRO-3 is our own, not PyTorch's FSDP2 `fully_shard`: FSDP2 turns parameters into DTensors and reduces
+gradients into `.grad` itself, which composes neither with the `main_grad` buffers nor with the ShardSpecs
+of the tensor-parallel layers and the global-norm code. The unit of gathering is one transformer layer
+(the rest of a chunk, embeddings, final norm and output layer, is one more unit). Buckets never span
+units. A unit is all-gathered by a forward pre-hook into freshly allocated storage and freed by a forward
+hook (the storage is resized to zero, as in FSDP1: parameters and the tensors autograd saved keep pointing
+at it), which also hooks the unit's output so that its gradient re-gathers the unit before the unit's
+backward runs; once all the unit's gradients are accumulated its buckets are reduce-scattered and the unit
+freed again. Inside backward (activation recomputation) forward hooks gather but do not free.
+`--overlap-param-gather` prefetches the next unit (the previous one in backward); for ZeRO-1/2 it makes
+the post-step all-gathers asynchronous, each module waiting for its own buckets in a forward pre-hook.
+
+A rank's shard of a bucket is a flat range of elements, so a parameter's part of it is a flat range of
+the parameter's elements (`OwnedRange`); the distributed optimizer steps exactly those, and `FlatShard`
+is how such a range is described to checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from megatron_lite.model.sharding import ShardSpec
+from megatron_lite.model.transformer import TransformerLayer
 from megatron_lite.parallel.state import ParallelState
 
-
-class Bucket:
-    """A contiguous slice of a gradient buffer whose parameters are reduced together."""
-
-    def __init__(self, params: list[torch.nn.Parameter], grad_data: torch.Tensor, offset: int,
-                 group, shard_grads: bool):
-        self.params = params
-        self.grad_data = grad_data  # view of the buffer, length divisible by the group size
-        self.offset = offset
-        self.group = group
-        self.shard_grads = shard_grads
-        self.pending = set(params)
-        self.handle = None
-
-    @property
-    def group_size(self) -> int:
-        return 1 if self.group is None else dist.get_world_size(self.group)
-
-    def shard(self) -> torch.Tensor:
-        """This rank's 1/group_size slice of the bucket (what the distributed optimizer updates)."""
-        size = self.grad_data.numel() // self.group_size
-        rank = 0 if self.group is None else dist.get_rank(self.group)
-        return self.grad_data[rank * size:(rank + 1) * size]
-
-    def start_reduction(self) -> None:
-        if self.group is None or self.handle is not None:
-            return
-        if self.shard_grads:
-            self.handle = dist.reduce_scatter_single(self.shard(), self.grad_data, group=self.group, async_op=True)
-        else:
-            self.handle = dist.all_reduce(self.grad_data, group=self.group, async_op=True)
-
-    def finish_reduction(self) -> None:
-        self.start_reduction()
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-        self.pending = set(self.params)
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-class GradBuffer:
-    """One contiguous fp32 gradient buffer for parameters reduced over the same group."""
+@dataclass
+class FlatShard:
+    """Elements [start, stop) of this rank's tensor-parallel shard of a parameter, flattened row-major.
 
-    def __init__(self, params: list[torch.nn.Parameter], group, bucket_size: int, shard_grads: bool):
-        self.params = params
-        self.group = group
-        group_size = 1 if group is None else dist.get_world_size(group)
-        device = params[0].device
-        # Cut buckets in backward order; pad each bucket to a multiple of the group size so that a
-        # reduce-scatter gives every rank an equal shard.
-        spans, bucket_params, start, end = [], [], 0, 0
-        for param in params:
-            bucket_params.append(param)
-            end += param.numel()
-            if end - start >= bucket_size or param is params[-1]:
-                padded_end = start + _round_up(end - start, group_size)
-                spans.append((list(bucket_params), start, padded_end))
-                bucket_params, start, end = [], padded_end, padded_end
-        self.data = torch.zeros(end, dtype=torch.float32, device=device)
-        self.buckets = []
-        for bucket_params, start, stop in spans:
-            offset = start
-            for param in bucket_params:
-                param.main_grad = self.data[offset:offset + param.numel()].view_as(param)
-                param.grad_buffer_offset = offset
-                offset += param.numel()
-            self.buckets.append(Bucket(bucket_params, self.data[start:stop], start, group, shard_grads))
-        self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
+    `data` is a live 1-D tensor of stop - start elements: reading it saves, writing into it loads. `spec`
+    places the TP shard in the global tensor (model.sharding.ShardSpec, with this rank's TP rank)."""
+
+    data: torch.Tensor
+    spec: ShardSpec
+    flat_range: tuple[int, int]
+
+
+@dataclass
+class OwnedRange:
+    """Elements [start, stop) of `param` (flattened) that this rank reduces and steps.
+
+    `grad` holds their reduced fp32 gradient, `model_data` the persistent parameter storage the model
+    reads them from (parameter dtype); both are 1-D views."""
+
+    param: torch.nn.Parameter
+    start: int
+    stop: int
+    grad: torch.Tensor
+    model_data: torch.Tensor
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once)."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+class Bucket:
+    """Parameters whose gradients are reduced together and, when sharded, whose values are gathered together.
+
+    The bucket spans `numel` elements (a multiple of the group size): each parameter at `offsets[param]`,
+    padding at the end. This rank owns elements [shard_start, shard_start + shard_size).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], group, strategy: str):
+        self.params = params
+        self.group = group
+        self.strategy = strategy
+        size = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        self.offsets, numel = {}, 0
+        for param in params:
+            self.offsets[param] = numel
+            numel += param.numel()
+        self.numel = _round_up(numel, size)
+        self.shard_size = self.numel // size
+        self.shard_start = rank * self.shard_size
+        self.grad_data: torch.Tensor | None = None  # [numel] fp32: this rank's gradient sums
+        self.grad_shard: torch.Tensor | None = None  # [shard_size] fp32: reduced owned gradients (ZeRO-2/3)
+        self.param_data: torch.Tensor | None = None  # [numel] parameter storage (ZeRO-1/2/3)
+        self.param_shard: torch.Tensor | None = None  # [shard_size] persistent owned parameters (ZeRO-3)
+        self.pending = set(params)  # parameters whose gradient has not arrived in this backward
+        self.grad_handle = None
+        self.scattered: torch.Tensor | None = None  # reduce-scatter output in flight (ZeRO-2/3)
+        self.param_handle = None
+        self.gathered = True
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy != "no_shard"
+
+    def _owned(self, param) -> tuple[int, int]:
+        """The flat range of `param` inside this rank's shard (empty when they do not meet)."""
+        offset, numel = self.offsets[param], param.numel()
+        if not self.sharded:
+            return 0, numel
+        start = min(max(self.shard_start - offset, 0), numel)
+        stop = max(min(self.shard_start + self.shard_size - offset, numel), start)
+        return start, stop
+
+    def owned_ranges(self) -> list[OwnedRange]:
+        ranges = []
+        for param in self.params:
+            start, stop = self._owned(param)
+            if stop > start:
+                ranges.append(OwnedRange(param, start, stop, self.owned_grad(param), self._owned_model_data(param)))
+        return ranges
+
+    def owned_grad(self, param) -> torch.Tensor:
+        """1-D view of the reduced gradient of this rank's elements of `param`."""
+        start, stop = self._owned(param)
+        if self.grad_shard is not None:
+            begin = self.offsets[param] + start - self.shard_start
+            return self.grad_shard[begin:begin + stop - start]
+        begin = self.offsets[param]
+        return self.grad_data[begin + start:begin + stop]
+
+    def _owned_model_data(self, param) -> torch.Tensor:
+        start, stop = self._owned(param)
+        if self.param_shard is not None:
+            begin = self.offsets[param] + start - self.shard_start
+            return self.param_shard[begin:begin + stop - start]
+        if self.param_data is not None:
+            begin = self.offsets[param]
+            return self.param_data[begin + start:begin + stop]
+        return param.detach().view(-1)
+
+    # -- gradients ------------------------------------------------------------------------------------
+    def attach_grads(self, data: torch.Tensor) -> None:
+        """Make `data` ([numel] fp32) this bucket's gradient buffer and point every main_grad into it."""
+        self.grad_data = data
+        for param in self.params:
+            offset = self.offsets[param]
+            param.main_grad = data[offset:offset + param.numel()].view_as(param)
+
+    def start_grad_reduction(self) -> None:
+        """Launch this bucket's collective (asynchronously); a no-op while one is in flight."""
+        if self.grad_handle is not None or self.scattered is not None:
+            return
+        if self.strategy in ("no_shard", "optim"):
+            if self.group is None:
+                return
+            if self.strategy == "no_shard":
+                self.grad_handle = dist.all_reduce(self.grad_data, group=self.group, async_op=True)
+            else:
+                shard = self.grad_data[self.shard_start:self.shard_start + self.shard_size]
+                self.grad_handle = dist.reduce_scatter_single(shard, self.grad_data, group=self.group,
+                                                              async_op=True)
+            return
+        if self.grad_data is None:  # no gradient reached this bucket in this backward on this rank
+            self.attach_grads(torch.zeros(self.numel, dtype=torch.float32, device=self.grad_shard.device))
+        if self.group is None:
+            self.scattered = self.grad_data
+        else:
+            self.scattered = torch.empty_like(self.grad_shard)
+            self.grad_handle = dist.reduce_scatter_single(self.scattered, self.grad_data, group=self.group,
+                                                          async_op=True)
+
+    def finish_grad_reduction(self) -> None:
+        """Wait for the collective in flight, if any; ZeRO-2/3 then add the result into the shard and drop
+        the temporary buffer."""
+        if self.grad_handle is not None:
+            self.grad_handle.wait()
+            self.grad_handle = None
+        if self.scattered is not None:
+            self.grad_shard.add_(self.scattered)
+            self.scattered, self.grad_data = None, None
+            for param in self.params:
+                param.main_grad = None
+        self.pending = set(self.params)
+
+    # -- parameters -----------------------------------------------------------------------------------
+    def attach_params(self) -> None:
+        """Move the parameters into one [numel] buffer (ZeRO-1/2/3); ZeRO-3 keeps only its shard."""
+        param = self.params[0]
+        self.param_data = torch.zeros(self.numel, dtype=param.dtype, device=param.device)
+        for param in self.params:
+            offset = self.offsets[param]
+            self.param_data[offset:offset + param.numel()].copy_(param.detach().view(-1))
+            param.data = self.param_data[offset:offset + param.numel()].view_as(param)
+        if self.strategy == "optim_grads_params":
+            self.param_shard = self.param_data[self.shard_start:self.shard_start + self.shard_size].clone()
+            self.free_params()
+
+    def start_param_gather(self) -> None:
+        """All-gather the parameters from every rank's shard (asynchronously; see finish_param_gather)."""
+        if self.param_handle is not None or (self.gathered and self.param_shard is not None):
+            return
+        if self.param_shard is not None:  # ZeRO-3: storage back, then fill it
+            self.param_data.untyped_storage().resize_(self.numel * self.param_data.element_size())
+            self.gathered = True
+            if self.group is None:
+                self.param_data.copy_(self.param_shard)
+                return
+            source = self.param_shard
+        else:
+            source = self.param_data[self.shard_start:self.shard_start + self.shard_size]
+        if self.group is not None:
+            self.param_handle = dist.all_gather_single(self.param_data, source, group=self.group, async_op=True)
+
+    def finish_param_gather(self) -> None:
+        if self.param_handle is not None:
+            self.param_handle.wait()
+            self.param_handle = None
+
+    def free_params(self) -> None:
+        """ZeRO-3: release the gathered parameters (their shard stays in param_shard)."""
+        self.finish_param_gather()
+        self.param_data.untyped_storage().resize_(0)
+        self.gathered = False
+
+
+def _cut_buckets(params: list[torch.nn.Parameter], bucket_size: int, unit_of: dict,
+                 isolated: set) -> list[list[torch.nn.Parameter]]:
+    """Consecutive parameters grouped into buckets of about `bucket_size` elements; a bucket never spans
+    two ZeRO-3 units, and each `isolated` parameter gets a bucket of its own."""
+    buckets, current, size = [], [], 0
+    for param in params:
+        if current and (size >= bucket_size or param in isolated or current[-1] in isolated
+                        or unit_of.get(param) is not unit_of.get(current[-1])):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(param)
+        size += param.numel()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class GradBuffer:
+    """The buckets of parameters of one dtype reduced over one group; `data` is their persistent fp32
+    gradient storage: the whole buckets (no_shard, optim) or this rank's shards (optim_grads(_params))."""
+
+    def __init__(self, bucket_params: list[list[torch.nn.Parameter]], group, strategy: str):
+        self.buckets = [Bucket(params, group, strategy) for params in bucket_params]
+        device = bucket_params[0][0].device
+        whole = strategy in ("no_shard", "optim")
+        sizes = [b.numel if whole else b.shard_size for b in self.buckets]
+        self.data = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        start = 0
+        for bucket, size in zip(self.buckets, sizes):
+            if whole:
+                bucket.attach_grads(self.data[start:start + size])
+            else:
+                bucket.grad_shard = self.data[start:start + size]
+            if strategy != "no_shard":
+                bucket.attach_params()
+            start += size
+
+
+class _Unit:
+    """ZeRO-3: the buckets of one module (a transformer layer, or the rest of a chunk), gathered together."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.buckets: list[Bucket] = []
+        self.ready: set[int] = set()  # buckets whose gradients are complete in this backward
+
+    def gather(self, wait: bool = True) -> None:
+        for bucket in self.buckets:
+            bucket.start_param_gather()
+        if wait:
+            for bucket in self.buckets:
+                bucket.finish_param_gather()
+
+    def free(self) -> None:
+        for bucket in self.buckets:
+            if bucket.gathered:
+                bucket.free_params()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
 class DistributedDataParallel(torch.nn.Module):
-    """Wraps one model chunk: accumulates gradients into contiguous buffers and reduces them by bucket."""
+    """Wraps one model chunk: accumulates gradients into contiguous buffers, reduces them by bucket and,
+    when sharded, keeps and gathers the parameters as the ZeRO stage says."""
 
     def __init__(self, module: torch.nn.Module, pstate: ParallelState, *, bucket_size: int = 40_000_000,
-                 overlap_grad_reduce: bool = False, shard_grads: bool = False):
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 data_parallel_sharding_strategy: str = "no_shard", param_dtype: torch.dtype | None = None):
         super().__init__()
+        if data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"unknown data-parallel sharding strategy {data_parallel_sharding_strategy}")
         self.module = module
+        self.strategy = data_parallel_sharding_strategy
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
         self.is_last_microbatch = True
+        self._end_of_backward_queued = False
+        self._reduced: set[int] = set()  # ZeRO-2/3: buckets reduced in the current backward
+        if param_dtype is not None:  # bf16/fp16 training: low-precision weights, fp32 gradients and masters
+            for param in module.parameters():
+                param.data = param.data.to(param_dtype)
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # ~ backward order
-        dense = [p for p in params if not p.spec.expert]
-        expert = [p for p in params if p.spec.expert]
+        self.units = self._build_units() if self.strategy == "optim_grads_params" else []
+        unit_of = {p: unit for unit in self.units for p in unit.module.parameters()}
+        isolated = set(module.shared_embedding_parameters())  # same shard on the first and the last stage
+        kinds = sorted({(p.spec.expert, p.dtype) for p in params}, key=str)
         self.buffers = []
-        if dense:
-            self.buffers.append(GradBuffer(dense, pstate.group("dp_cp"), bucket_size, shard_grads))
-        if expert:
-            self.buffers.append(GradBuffer(expert, pstate.group("expert_dp"), bucket_size, shard_grads))
+        for expert, dtype in kinds:
+            members = [p for p in params if (p.spec.expert, p.dtype) == (expert, dtype)]
+            group = pstate.group("expert_dp" if expert else "dp_cp")
+            self.buffers.append(GradBuffer(_cut_buckets(members, bucket_size, unit_of, isolated), group,
+                                           self.strategy))
+        self.buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]
+        self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
+        if self.units:
+            self._unit_of_bucket = {}
+            for bucket in self.buckets:
+                unit = unit_of.get(bucket.params[0])
+                unit.buckets.append(bucket)
+                self._unit_of_bucket[bucket] = unit
+            for index, unit in enumerate(self.units):
+                self._hooks.append(unit.module.register_forward_pre_hook(partial(self._before_forward, index)))
+                self._hooks.append(unit.module.register_forward_hook(partial(self._after_forward, index)))
+        elif overlap_param_gather and self.strategy != "no_shard":
+            for submodule in module.modules():
+                buckets = list(dict.fromkeys(self.bucket_of[p] for p in submodule.parameters(recurse=False)
+                                             if p in self.bucket_of))
+                if buckets:
+                    self._hooks.append(submodule.register_forward_pre_hook(partial(self._wait_for_params, buckets)))
 
+    def _build_units(self) -> list[_Unit]:
+        """The chunk itself (everything outside its layers), then its transformer layers in forward order."""
+        units = [_Unit(self.module)]
+        units += [_Unit(m) for m in self.module.modules() if isinstance(m, TransformerLayer)]
+        return units
+
+    # -- backward -------------------------------------------------------------------------------------
     def _accumulate(self, param: torch.nn.Parameter) -> None:
-        """Move the fresh gradient into the buffer; start the bucket's reduction once it is complete."""
+        """Move the fresh gradient into the buffer; reduce a bucket as soon as it is complete when the
+        strategy (ZeRO-2/3) or --overlap-grad-reduce (last micro-batch) asks for it."""
+        bucket = self.bucket_of[param]
+        if bucket.grad_data is None:  # ZeRO-2/3: a fresh temporary buffer for this backward
+            bucket.attach_grads(torch.zeros(bucket.numel, dtype=torch.float32, device=param.device))
         param.main_grad.add_(param.grad)
         param.grad = None
-        if self.overlap_grad_reduce and self.is_last_microbatch:
-            for buffer in self.buffers:
-                bucket = buffer.bucket_of.get(param)
-                if bucket is not None:
-                    bucket.pending.discard(param)
-                    if not bucket.pending:
-                        bucket.start_reduction()
+        if self.strategy in ("optim_grads", "optim_grads_params"):
+            self._queue_end_of_backward()
+            bucket.pending.discard(param)
+            if not bucket.pending:
+                self._reduce_in_backward(bucket)
+        elif self.overlap_grad_reduce and self.is_last_microbatch:
+            bucket.pending.discard(param)
+            if not bucket.pending:
+                bucket.start_grad_reduction()
 
+    def _reduce_in_backward(self, bucket: Bucket) -> None:
+        bucket.start_grad_reduction()
+        self._reduced.add(id(bucket))
+        if self.units:
+            unit = self._unit_of_bucket[bucket]
+            unit.ready.add(id(bucket))
+            if len(unit.ready) == len(unit.buckets):
+                unit.free()
+        if not self.overlap_grad_reduce:
+            bucket.finish_grad_reduction()
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """ZeRO-2/3, after each backward: reduce the buckets not yet reduced (some of their parameters got
+        no gradient), wait for all reductions, free every unit still gathered."""
+        self._end_of_backward_queued = False
+        for bucket in self.buckets:
+            if id(bucket) not in self._reduced:
+                bucket.start_grad_reduction()
+        for bucket in self.buckets:
+            bucket.finish_grad_reduction()
+        self._reduced.clear()
+        for unit in self.units:
+            unit.ready.clear()
+            unit.free()
+
+    # -- ZeRO-3 forward -------------------------------------------------------------------------------
+    def _before_forward(self, index: int, module, args) -> None:
+        self.units[index].gather()
+        if self.overlap_param_gather and not _in_backward() and index + 1 < len(self.units):
+            self.units[index + 1].gather(wait=False)
+
+    def _after_forward(self, index: int, module, args, output):
+        if _in_backward():  # recomputation: the unit is freed once its gradients are complete
+            return output
+        if torch.is_grad_enabled():
+            for tensor in output if isinstance(output, (tuple, list)) else (output,):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(partial(self._before_backward, index))
+        self.units[index].free()
+        return output
+
+    def _before_backward(self, index: int, grad: torch.Tensor) -> None:
+        self._queue_end_of_backward()
+        self.units[index].gather()
+        if self.overlap_param_gather and index > 1:  # the previous layer's backward comes next
+            self.units[index - 1].gather(wait=False)
+
+    def _wait_for_params(self, buckets: list[Bucket], module, args) -> None:
+        for bucket in buckets:
+            bucket.finish_param_gather()
+
+    # -- the training loop's interface ----------------------------------------------------------------
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Micro-batches before the last accumulate without starting any reduction."""
+        """Micro-batches before the last accumulate without starting any reduction (no_shard, optim)."""
         self.is_last_microbatch = False
         try:
             yield
@@ -144,11 +458,67 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.data.zero_()
 
     def finish_grad_sync(self) -> None:
-        """Complete every bucket's reduction (starting those not yet started)."""
-        for buffer in self.buffers:
-            for bucket in buffer.buckets:
-                bucket.finish_reduction()
+        """After the last micro-batch: complete every bucket's reduction (no_shard, optim; ZeRO-2/3 reduced
+        each backward's gradients at its end)."""
+        if self.strategy in ("no_shard", "optim"):
+            for bucket in self.buckets:
+                bucket.start_grad_reduction()
+        for bucket in self.buckets:
+            bucket.finish_grad_reduction()
 
     def scale_gradients(self, factor: float) -> None:
         for buffer in self.buffers:
             buffer.data.mul_(factor)
+
+    def main_grad_shards(self, params) -> list[torch.Tensor]:
+        """1-D views of the reduced gradients this rank holds for `params` (whole, or its owned ranges);
+        every rank of a data-parallel group gets the same list structure."""
+        return [self.bucket_of[p].owned_grad(p) for p in params if p in self.bucket_of]
+
+    def owned_ranges(self) -> list[OwnedRange]:
+        """What this rank's optimizer steps: every parameter whole (no_shard), else its owned ranges."""
+        return [r for bucket in self.buckets for r in bucket.owned_ranges()]
+
+    def start_param_sync(self) -> None:
+        """ZeRO-1/2, after the optimizer updated this rank's shards: all-gather every bucket's parameters
+        (left in flight with --overlap-param-gather; forward pre-hooks wait for them)."""
+        if self.strategy not in ("optim", "optim_grads"):
+            return
+        for bucket in self.buckets:
+            bucket.start_param_gather()
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        for bucket in self.buckets:
+            bucket.finish_param_gather()
+
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Every parameter whole and up to date inside the block (to read or write them outside forward:
+        export, evaluation hooks); under ZeRO-3 they are sharded again afterwards."""
+        self.finish_param_sync()
+        for unit in self.units:
+            unit.gather()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.free()
+
+    def sharded_parameters(self) -> dict[str, FlatShard]:
+        """The model weights this rank holds, by global name: whole parameters, or under ZeRO-3 the owned
+        ranges of the persistent shards (the same FlatShard protocol as the optimizer's state)."""
+        self.finish_param_sync()
+        names = {param: name for name, param in self.module.named_global_parameters()}
+        if self.strategy != "optim_grads_params":
+            return {names[p]: FlatShard(p.detach().view(-1), p.spec, (0, p.numel())) for p in names}
+        return {names[r.param]: FlatShard(r.model_data, r.param.spec, (r.start, r.stop))
+                for r in self.owned_ranges()}
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes of parameter and gradient storage this chunk holds right now."""
+        params = list(self.module.parameters()) + [b.param_shard for b in self.buckets if b.param_shard is not None]
+        grads = [buffer.data for buffer in self.buffers] + [b.grad_data for b in self.buckets
+                                                             if b.grad_data is not None]
+        return {"params": storage_bytes(params), "grads": storage_bytes(grads)}

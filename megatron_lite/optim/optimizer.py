@@ -1,9 +1,15 @@
-"""AdamW over the model's main gradients, with global-norm clipping and fp32 master weights.
+"""AdamW over the model's main gradients: fp32 masters, loss scaling, global-norm clipping.
 
-The optimizer never sees `param.grad`: gradients live in the contiguous `main_grad` buffers that data
-parallelism reduces. For parameters kept in bf16/fp16 it steps fp32 master copies and casts back.
-Weight decay is decoupled (AdamW) and skipped for norms and biases (every 1-D parameter), as in
-Megatron. The gradient norm is global over all ranks with each replicated parameter counted once.
+The optimizer never sees `param.grad`: gradients live in the contiguous fp32 `main_grad` buffers that
+data parallelism reduces. It steps fp32 master copies of bf16/fp16 parameters and casts the result back
+(fp32 parameters are their own masters). Weight decay is decoupled (AdamW) and skipped for norms and
+biases (every 1-D parameter), as in Megatron. The gradient norm is global over all ranks with each
+replicated parameter counted once; it is taken after unscaling and before clipping.
+
+What it steps is a list of `OwnedRange`s: flat element ranges of parameters with their gradient and
+storage. This class steps whole parameters (every data-parallel rank does the same update);
+`DistributedOptimizer` steps each rank's shard. fp16 runs use a loss scaler (optim/loss_scaler.py): a step
+whose gradients overflow on any rank is skipped on every rank.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ import math
 
 import torch
 
-from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config import OptimizerConfig
+from megatron_lite.optim.grad_buffer import FlatShard, OwnedRange, storage_bytes
+from megatron_lite.optim.loss_scaler import build_grad_scaler
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 
@@ -38,93 +45,150 @@ def global_grad_norm(grads_and_replication: list[tuple[list[torch.Tensor], int]]
     return math.sqrt(float((squares / replication).sum()))
 
 
-class Optimizer:
-    """AdamW on (master copies of) this rank's parameters, fed by their main gradients."""
+def _whole(param: torch.nn.Parameter) -> OwnedRange:
+    return OwnedRange(param, 0, param.numel(), param.main_grad.view(-1), param.detach().view(-1))
 
-    def __init__(self, params: list[torch.nn.Parameter], config: OptimizerConfig, pstate: ParallelState):
+
+class Optimizer:
+    """AdamW on (fp32 master copies of) this rank's parameters, fed by their main gradients.
+
+    `params` are parameters with a `main_grad`, or (global name, parameter) pairs, which
+    `sharded_state_dict` needs.
+    """
+
+    def __init__(self, params, config: OptimizerConfig, pstate: ParallelState):
         self.config = config
         self.pstate = pstate
-        self.params = params
-        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in params]
-        decay = [m for p, m in zip(params, self.masters) if p.ndim > 1]
-        no_decay = [m for p, m in zip(params, self.masters) if p.ndim <= 1]
+        named = [(None, p) if isinstance(p, torch.Tensor) else p for p in params]
+        self.names = {param: name for name, param in named}
+        self.ranges = [r for r in self._owned_ranges([p for _, p in named]) if r.stop > r.start]
+        self.masters = [r.model_data if r.model_data.dtype == torch.float32 else r.model_data.float()
+                        for r in self.ranges]
+        self.grad_scaler = build_grad_scaler(config)
+        decay = [m for r, m in zip(self.ranges, self.masters) if r.param.ndim > 1]
+        no_decay = [m for r, m in zip(self.ranges, self.masters) if r.param.ndim <= 1]
         groups = [{"params": decay, "weight_decay": config.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        fused = bool(params) and params[0].is_cuda
+        fused = bool(self.masters) and self.masters[0].is_cuda
         self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
                                       betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                                       fused=fused or None)
+        for master in self.masters:  # allocated now, so that memory and checkpoints see them from the start
+            step = torch.zeros((), dtype=torch.float32, device=master.device if fused else "cpu")
+            self.adam.state[master] = {"step": step, "exp_avg": torch.zeros_like(master),
+                                       "exp_avg_sq": torch.zeros_like(master)}
+
+    # -- what a subclass changes ----------------------------------------------------------------------
+    def _owned_ranges(self, params: list[torch.nn.Parameter]) -> list[OwnedRange]:
+        return [_whole(p) for p in params]
+
+    def _replication(self) -> tuple[int, int]:
+        """How many ranks hold each dense and each expert gradient this rank steps."""
+        return self.pstate.dp_size * self.pstate.cp_size, self.pstate.layout.edp
+
+    def _sync_params(self) -> None:
+        """Make the updated values visible to the model everywhere (nothing to do without sharding)."""
+
+    # -- the step -------------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """What the schedule multiplies the loss by before backward."""
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [r.grad for r in self.ranges]
+
+    def _unscale_and_check(self) -> bool:
+        """Divide the gradients by the loss scale; whether any rank found an inf or a NaN."""
+        device = self.masters[0].device if self.masters else torch.device("cpu")
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        if self.ranges:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                self._grads(), found_inf, torch.full((1,), 1.0 / self.loss_scale, device=device))
+        mappings.all_reduce(found_inf, self.pstate.group("world"), op=torch.distributed.ReduceOp.MAX)
+        return bool(found_inf.item() > 0)
 
     def grad_norm(self) -> float:
-        device = self.params[0].device if self.params else "cpu"
-        dense = [p.main_grad for p in self.params if not p.spec.expert and counted_once(p, self.pstate)]
-        expert = [p.main_grad for p in self.params if p.spec.expert and counted_once(p, self.pstate)]
-        return global_grad_norm([(dense, self.pstate.dp_size * self.pstate.cp_size),
-                                 (expert, self.pstate.layout.edp)], self.pstate, device)
+        device = self.masters[0].device if self.masters else "cpu"
+        counted = [r for r in self.ranges if counted_once(r.param, self.pstate)]
+        dense, expert = self._replication()
+        return global_grad_norm([([r.grad for r in counted if not r.param.spec.expert], dense),
+                                 ([r.grad for r in counted if r.param.spec.expert], expert)], self.pstate, device)
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
-        """Clip, update and return the gradient norm before clipping."""
+    def step(self, lr: float) -> tuple[bool, float]:
+        """Unscale, clip, update. Returns (whether the update happened, gradient norm before clipping);
+        an fp16 step with overflowing gradients is skipped and its norm is NaN."""
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, float("nan")
         norm = self.grad_norm()
         clip = self.config.clip_grad / (norm + 1e-6) if self.config.clip_grad > 0 else 1.0
-        for param, master in zip(self.params, self.masters):
-            master.grad = param.main_grad.float() * min(clip, 1.0)
+        if clip < 1.0 and self.ranges:
+            torch._foreach_mul_(self._grads(), clip)
+        for owned, master in zip(self.ranges, self.masters):
+            master.grad = owned.grad
         for group in self.adam.param_groups:
             group["lr"] = lr
         self.adam.step()
-        for param, master in zip(self.params, self.masters):
+        for master in self.masters:
             master.grad = None
-            if master is not param:
-                param.copy_(master)
-        return norm
+        self._copy_masters_to_model()
+        self._sync_params()
+        return True, norm
 
-    def state_dict(self) -> dict:
-        return self.adam.state_dict()
-
-    def _init_state(self) -> None:
-        """Create Adam's state as its first step would (zero moments, step 0), so it can be loaded into."""
-        for group in self.adam.param_groups:
-            for master in group["params"]:
-                state = self.adam.state[master]
-                if not state:
-                    on_device = group["fused"] or group["capturable"]
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=master.device if on_device else "cpu")
-                    state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-
-    def sharded_state_dict(self, global_names: dict[torch.nn.Parameter, str]) -> list[ShardedTensor]:
-        """Adam's state as boxes of layout-independent global tensors, views of the live state.
-
-        Keys follow Megatron's distributed optimizer: `optimizer.state.{exp_avg,exp_avg_sq}.<global name>`,
-        `optimizer.state.fp32_param.<global name>` for parameters kept in bf16/fp16 (an fp32 parameter is
-        its own master and is saved with the model), and the step count `optimizer.step`. Loading fills
-        these views in place; `load_sharded_state_dict` then finishes the load.
-        """
-        self._init_state()
-        tp_rank, tp_size = self.pstate.tp_rank, self.pstate.tp_size
-        pieces = []
-        for param, master in zip(self.params, self.masters):
-            state = self.adam.state[master]
-            tensors = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-            if master is not param:
-                tensors["fp32_param"] = master
-            for kind, tensor in tensors.items():
-                pieces += shard_boxes(f"optimizer.state.{kind}.{global_names[param]}", param.spec, tp_rank, tp_size,
-                                      tensor)
-        if self.masters:
-            pieces.append(ShardedTensor.whole("optimizer.step", self.adam.state[self.masters[0]]["step"]))
-        return pieces
+    def _copy_masters_to_model(self) -> None:
+        for owned, master in zip(self.ranges, self.masters):
+            if master is not owned.model_data:
+                owned.model_data.copy_(master)
 
     @torch.no_grad()
-    def load_sharded_state_dict(self, pieces: list[ShardedTensor]) -> None:
-        """Finish a load into the views of `sharded_state_dict`: share the step count, refresh the
-        low-precision parameters from their masters."""
-        step = next((p.data for p in pieces if p.key == "optimizer.step"), None)
-        for param, master in zip(self.params, self.masters):
-            if step is not None:
-                self.adam.state[master]["step"].copy_(step)
-            if master is not param:
-                param.copy_(master)
+    def reload_model_params(self) -> None:
+        """Set the masters from the model's current weights (after loading weights without optimizer state)."""
+        for owned, master in zip(self.ranges, self.masters):
+            if master is not owned.model_data:
+                master.copy_(owned.model_data)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.adam.load_state_dict(state)
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """This rank's optimizer state, by layout-independent key (see distributed_optimizer.py):
+        `optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<global name>` -> FlatShard (live tensors),
+        `optimizer.step` -> int, `optimizer.grad_scaler` -> dict or None."""
+        state = {}
+        for owned, master in zip(self.ranges, self.masters):
+            name = self.names[owned.param]
+            if name is None:
+                raise ValueError("build the optimizer from (global name, parameter) pairs to checkpoint it")
+            adam = self.adam.state[master]
+            tensors = {"exp_avg": adam["exp_avg"], "exp_avg_sq": adam["exp_avg_sq"]}
+            if master is not owned.model_data:  # an fp32 parameter is its own master, saved with the model
+                tensors["fp32_param"] = master
+            for kind, tensor in tensors.items():
+                state[f"optimizer.state.{kind}.{name}"] = FlatShard(tensor, owned.param.spec, (owned.start, owned.stop))
+        steps = [int(s["step"]) for s in self.adam.state.values()]
+        state["optimizer.step"] = steps[0] if steps else 0
+        state["optimizer.grad_scaler"] = None if self.grad_scaler is None else self.grad_scaler.state_dict()
+        return state
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Load what `sharded_state_dict` describes (its FlatShards filled in place, or equal ones), then
+        update the model's weights from the loaded masters."""
+        for key, live in self.sharded_state_dict().items():
+            if isinstance(live, FlatShard) and state[key].data is not live.data:
+                live.data.copy_(state[key].data)
+        for adam in self.adam.state.values():
+            adam["step"].fill_(state["optimizer.step"])
+        if self.grad_scaler is not None and state.get("optimizer.grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["optimizer.grad_scaler"])
+        self._copy_masters_to_model()
+        self._sync_params()
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes this optimizer holds beyond the model: fp32 masters of low-precision weights, Adam moments."""
+        model = {r.model_data.untyped_storage().data_ptr() for r in self.ranges}
+        masters = [m for m in self.masters if m.untyped_storage().data_ptr() not in model]
+        moments = [s[k] for s in self.adam.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        return {"master": storage_bytes(masters), "moments": storage_bytes(moments)}

@@ -1,0 +1,219 @@
+"""ZeRO-1/2/3 train exactly as the plain optimizer, at DP 2 and 4 and with TP 2 and PP 2.
+
+For every layout, 10 steps with each sharding strategy in one spawned world: the losses, gradient norms and
+final weights equal the no_shard run's to rel 1e-6 (fp32), and the gradient norms (before clipping, which
+is active: clip-grad is below every norm) equal the single-device run's. The optimizer state assembled
+from every rank's FlatShards equals the single-device optimizer's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron_lite.config import make_config
+from megatron_lite.optim.distributed_optimizer import build_optimizer
+from megatron_lite.optim.grad_buffer import FlatShard
+from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
+from tests.harness import run_on_ranks
+
+TINY = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+        "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 256, "seq_length": 32,
+        "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": 8, "train_iters": 10,
+        "lr": 3e-3, "lr_warmup_iters": 1, "clip_grad": 0.3, "eval_interval": 1000, "log_interval": 1000}
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+OVERLAP = {"overlap_grad_reduce": True, "overlap_param_gather": True}
+# ZeRO-1 reduces the same sums as no_shard. ZeRO-2/3 reduce-scatter every micro-batch, summing the same
+# gradients in another order; where micro-batch gradients nearly cancel, Adam's update carries that
+# rounding further: up to 1e-5 here, less than no_shard's own distance from one device (2e-5, PP2 tied).
+WEIGHT_TOLERANCE = {"optim": 1e-6, "optim_grads": 3e-5, "optim_grads_params": 3e-5}
+
+
+def train(values: dict, world_size: int) -> dict:
+    """Train with the real training step; per-step metrics, final local weights and optimizer state."""
+    config = make_config(values, world_size)
+    pstate, device = initialize(config)
+    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+    optimizer = build_optimizer(config, model, pstate)
+    iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
+    history = [train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, i, device)
+               for i in range(config.training.train_iters)]
+    weights = {}
+    for chunk in model:
+        with chunk.gathered_parameters():
+            weights.update({name: p.detach().clone() for name, p in chunk.module.named_global_parameters()})
+    state = {key: (value.data.clone(), value.flat_range, value.spec) if isinstance(value, FlatShard) else value
+             for key, value in optimizer.sharded_state_dict().items()}
+    return {"losses": [h["lm_loss"] for h in history], "norms": [h["grad_norm"] for h in history],
+            "weights": weights, "state": state, "tp": (pstate.tp_rank, pstate.tp_size)}
+
+
+def train_every_strategy(values: dict, world_size: int, overlap: bool = False) -> dict:
+    """One run per sharding strategy; with `overlap`, the sharded ones overlap reduction and gathering."""
+    return {strategy: train({**values, "data_parallel_sharding_strategy": strategy,
+                             **(OVERLAP if overlap and strategy != "no_shard" else {})}, world_size)
+            for strategy in STRATEGIES}
+
+
+def assemble_state(ranks: list[dict]) -> dict[str, torch.Tensor]:
+    """Global optimizer tensors (each parameter's TP shard flattened) from every rank's FlatShards,
+    checking that replicas agree and that the pieces cover every element."""
+    from megatron_lite.model.sharding import unshard
+
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for result in ranks:
+        tp_rank, tp_size = result["tp"]
+        for key, value in result["state"].items():
+            if not isinstance(value, tuple):
+                continue
+            data, (start, stop), spec = value
+            local_numel = torch.Size(spec.global_shape).numel() // (tp_size if spec.tp_dim is not None else 1)
+            flat = pieces.setdefault(key, {}).setdefault(tp_rank, torch.full((local_numel,), float("nan")))
+            seen = flat[start:stop]
+            assert torch.isnan(seen).all() or torch.equal(seen, data), f"replicas of {key} disagree"
+            flat[start:stop] = data
+            pieces[key]["spec"] = spec
+    full = {}
+    for key, by_rank in pieces.items():
+        spec = by_rank.pop("spec")
+        local_shape = list(spec.global_shape)
+        if spec.tp_dim is not None:
+            local_shape[spec.tp_dim] //= len(by_rank)
+        tensor = unshard([by_rank[r].view(local_shape) for r in sorted(by_rank)], spec)
+        assert not torch.isnan(tensor).any(), f"{key} is not covered by the ranks' shards"
+        full[key] = tensor
+    return full
+
+
+def assert_weights_close(actual: dict, expected: dict, rel: float) -> None:
+    """Per parameter, |actual - expected| <= rel |expected| (L2 norms: a few elements near zero may differ
+    more, as Adam divides by their small second moments)."""
+    for name, weight in expected.items():
+        difference = float((actual[name] - weight).norm() / weight.norm())
+        assert difference <= rel, f"{name}: relative difference {difference:.2e}"
+
+
+def check_against_plain(results_of_ranks: list[dict], reference: dict) -> None:
+    """Every rank, every strategy: equal to no_shard in the same world (rel 1e-6) and to one device."""
+    for result in results_of_ranks:
+        plain = result["no_shard"]
+        assert plain["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        for strategy in STRATEGIES[1:]:
+            sharded = result[strategy]
+            assert sharded["losses"] == pytest.approx(plain["losses"], rel=1e-6), strategy
+            assert sharded["norms"] == pytest.approx(plain["norms"], rel=1e-6), strategy
+            assert sharded["norms"] == pytest.approx(reference["norms"], rel=1e-5), strategy
+            assert_weights_close(sharded["weights"], plain["weights"], WEIGHT_TOLERANCE[strategy])
+    assert min(reference["norms"]) > TINY["clip_grad"]  # clipping is active in every step
+    assert reference["losses"][-1] < reference["losses"][0]
+
+
+def check_state_against_single_device(results_of_ranks: list[dict], reference: dict) -> None:
+    """The optimizer state assembled from all ranks' FlatShards is the single-device optimizer's."""
+    reference_state = assemble_state([reference])
+    for strategy in STRATEGIES:
+        state = assemble_state([r[strategy] for r in results_of_ranks])
+        assert state.keys() == reference_state.keys()
+        for key, tensor in state.items():
+            torch.testing.assert_close(tensor, reference_state[key], rtol=1e-5, atol=1e-7)
+        assert all(r[strategy]["state"]["optimizer.step"] == TINY["train_iters"] for r in results_of_ranks)
+
+
+def test_zero_1_2_3_at_dp2_equal_the_plain_optimizer():
+    reference = train(TINY, 1)
+    results = run_on_ranks(2, train_every_strategy, TINY, 2)
+    check_against_plain(results, reference)
+    check_state_against_single_device(results, reference)
+
+
+TP2 = {**TINY, "tensor_model_parallel_size": 2, "sequence_parallel": True, "recompute_granularity": "full"}
+TIED = {**TINY, "untie_embeddings_and_output_weights": False}
+PP2_TIED = {**TIED, "pipeline_model_parallel_size": 2}
+
+
+def train_layouts_on_four_ranks() -> dict:
+    return {"dp4": train_every_strategy(TINY, 4, overlap=True), "tp2": train_every_strategy(TP2, 4),
+            "pp2": train_every_strategy(PP2_TIED, 4, overlap=True)}
+
+
+def test_zero_1_2_3_at_dp4_and_with_tp2_sp_recompute_and_pp2_tied_equal_the_plain_optimizer():
+    reference, tied_reference = train(TINY, 1), train(TIED, 1)
+    results = run_on_ranks(4, train_layouts_on_four_ranks)
+    for layout, layout_reference in (("dp4", reference), ("tp2", reference), ("pp2", tied_reference)):
+        check_against_plain([r[layout] for r in results], layout_reference)
+        check_state_against_single_device([r[layout] for r in results], layout_reference)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory per rank
+
+# Bytes per parameter held between steps with bf16 weights, by category and sharding strategy: (bytes, whether
+# divided by the data-parallel size d). 18 bytes unsharded; ZeRO-1 6 + 12/d; ZeRO-2 2 + 16/d; ZeRO-3 18/d.
+THEORY = {
+    "no_shard": {"params": (2, False), "grads": (4, False), "master": (4, False), "moments": (8, False)},
+    "optim": {"params": (2, False), "grads": (4, False), "master": (4, True), "moments": (8, True)},
+    "optim_grads": {"params": (2, False), "grads": (4, True), "master": (4, True), "moments": (8, True)},
+    "optim_grads_params": {"params": (2, True), "grads": (4, True), "master": (4, True), "moments": (8, True)},
+}
+
+
+def held_bytes(*roots) -> int:
+    """Bytes of the distinct tensor storages reachable from `roots` through object attributes, containers,
+    module parameters, tensor attributes (main_grad) and optimizer state: what these objects keep alive,
+    found without asking them."""
+    seen, storages, stack = set(), {}, list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            stack.extend(vars(obj).values())
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith(("megatron_lite", "torch.nn", "torch.optim")) and hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return sum(storages.values())
+
+
+def memory_of_every_strategy(values: dict, world_size: int) -> dict:
+    """Per strategy, after one bf16 step: the bytes each category holds, the bytes reachable from model and
+    optimizer, the local parameter count, the number of buckets and the step's loss."""
+    out = {}
+    for strategy in STRATEGIES:
+        config = make_config({**values, "data_parallel_sharding_strategy": strategy, "bf16": True}, world_size)
+        pstate, device = initialize(config)
+        model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+        optimizer = build_optimizer(config, model, pstate)
+        iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
+        loss = train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, 0, device)["lm_loss"]
+        measured = optimizer.memory_footprint()
+        for chunk in model:
+            for kind, size in chunk.memory_footprint().items():
+                measured[kind] = measured.get(kind, 0) + size
+        out[strategy] = {"measured": measured, "held": held_bytes(model, optimizer), "loss": loss,
+                         "numel": sum(p.numel() for chunk in model for p in chunk.module.parameters()),
+                         "buckets": sum(len(chunk.buckets) for chunk in model), "d": pstate.dp_size,
+                         "dtypes": {str(p.dtype) for chunk in model for p in chunk.module.parameters()}}
+    return out
+
+
+def test_per_rank_memory_of_each_zero_stage_matches_theory():
+    results = run_on_ranks(4, memory_of_every_strategy, {**TINY, "train_iters": 1}, 4)
+    for rank_result in results:
+        for strategy, r in rank_result.items():
+            n, d = r["numel"], r["d"]
+            assert d == 4 and r["dtypes"] == {"torch.bfloat16"}
+            for kind, (per_param, sharded) in THEORY[strategy].items():
+                theory = per_param * n / (d if sharded else 1)
+                padding = per_param * d * r["buckets"]  # each bucket is padded by fewer than d elements
+                assert 0.95 * theory - padding <= r["measured"][kind] <= 1.05 * theory + padding, (strategy, kind)
+            # Nothing else of size is held: the four categories are all the model and optimizer keep.
+            assert r["held"] <= 1.02 * sum(r["measured"].values()) + 64 * 1024, strategy
+            assert r["loss"] == pytest.approx(rank_result["no_shard"]["loss"], rel=1e-6)
