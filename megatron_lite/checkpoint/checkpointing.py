@@ -2,17 +2,20 @@
 
 What a checkpoint holds (torch.distributed.checkpoint under global keys, see checkpoint/sharded.py):
   model       `<global name>` for every parameter: global layer index, unpadded vocabulary
-  optimizer   `optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<global name>`, `optimizer.step`
-              (from `optimizer.sharded_state_dict`, plain or distributed optimizer alike)
+  optimizer   `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<global name>`
   RNG         `rng_state.<layout>.rank_<r>.<generator>`: per rank, only restored in the same layout
-and `metadata.json`: iteration, consumed samples, layout, configuration, versions. The learning rate is a
-function of the iteration and needs no state. Every rank writes only the boxes it holds, in parallel;
-boxes held by several ranks are written once.
+and `metadata.json`: iteration, consumed samples, the optimizer's step count and loss-scaler state, layout,
+configuration, versions. The learning rate is a function of the iteration and needs no state. Model and
+optimizer describe what they hold with the FlatShard protocol (optim/distributed_optimizer.py: a flat
+range of a parameter's TP shard, whole for the plain optimizer, 1/d of it under ZeRO), which becomes boxes
+of the global tensors. Every rank writes only the boxes it holds, in parallel; boxes held by several ranks
+(data-parallel replicas, the last stage's copy of tied embeddings) are written once.
 
-An asynchronous save copies this rank's boxes to CPU memory (the only time training waits) and writes
-them from a background thread over a process group of its own, so the training loop's collectives never
-interleave with the save's. The next save, or the end of the run, waits for it; the coordinator commits
-it (checkpoint/directory.py) as soon as every rank has written.
+An asynchronous save copies the boxes this rank writes to CPU memory (the only time training waits; the
+buffers are kept for the next save, so later copies cost no page faults) and writes them from a background
+thread over a process group of its own, so the training loop's collectives never interleave with the
+save's. The next save, or the end of the run, waits for it; the coordinator commits it
+(checkpoint/directory.py) as soon as every rank has written.
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ from megatron_lite.checkpoint.planner import (
     SafeFileSystemReader,
     ShardedLoadPlanner,
     ShardedSavePlanner,
+    boxes_to_write,
     missing_or_mismatched,
     state_dict_of,
 )
 from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config import Config
+from megatron_lite.optim.grad_buffer import FlatShard
 from megatron_lite.parallel.state import ParallelState
 
 FORMAT = "megatron_lite/dcp/1"
@@ -51,17 +56,27 @@ def _modules(model: list) -> list[torch.nn.Module]:
     return [getattr(chunk, "module", chunk) for chunk in model]
 
 
-def global_parameter_names(model: list) -> dict[torch.nn.Parameter, str]:
-    return {param: name for module in _modules(model) for name, param in module.named_global_parameters()}
+def to_boxes(state: dict, pstate: ParallelState) -> tuple[list[ShardedTensor], dict]:
+    """Split a FlatShard-protocol state into boxes of global tensors and the plain values it also holds."""
+    pieces, values = [], {}
+    for key, value in state.items():
+        if isinstance(value, FlatShard):
+            pieces += shard_boxes(key, value.spec, pstate.tp_rank, pstate.tp_size, value.data, value.flat_range)
+        else:
+            values[key] = value
+    return pieces, values
 
 
 def model_sharded_state_dict(model: list, pstate: ParallelState) -> list[ShardedTensor]:
-    """This rank's boxes of every parameter. A last stage's copy of tied embeddings gives the same boxes
-    as the first stage's table: it is written once and loaded from the same key."""
-    pieces = []
-    for param, name in global_parameter_names(model).items():
-        pieces += shard_boxes(name, param.spec, pstate.tp_rank, pstate.tp_size, param.detach())
-    return pieces
+    """This rank's boxes of every parameter (under ZeRO-3, of the parameter shards it keeps)."""
+    state = {}
+    for chunk in model:
+        if hasattr(chunk, "sharded_parameters"):
+            state.update(chunk.sharded_parameters())
+        else:
+            state.update({name: FlatShard(p.detach().view(-1), p.spec, (0, p.numel()))
+                          for name, p in chunk.named_global_parameters()})
+    return to_boxes(state, pstate)[0]
 
 
 def layout_tag(config: Config, device: torch.device) -> str:
@@ -139,6 +154,7 @@ class Checkpointer:
         self.executor = ThreadPoolExecutor(max_workers=1) if config.checkpoint.async_save else None
         self.pending: Future | None = None
         self.last_saved_iteration: int | None = None
+        self.staging: dict[tuple, torch.Tensor] = {}  # CPU copies of the last async save, reused
 
     # -----------------------------------------------------------------------------------------------------
     # Save
@@ -151,15 +167,19 @@ class Checkpointer:
             return time.perf_counter() - start
         root = self.config.checkpoint.save
         pieces = model_sharded_state_dict(model, self.pstate)
+        optimizer_values = {}
         if optimizer is not None:
-            pieces += optimizer.sharded_state_dict(global_parameter_names(model))
+            optimizer_pieces, optimizer_values = to_boxes(optimizer.sharded_state_dict(), self.pstate)
+            pieces += optimizer_pieces
         tag = layout_tag(self.config, self.device)
         pieces += [ShardedTensor.whole(f"rng_state.{tag}.rank_{self.pstate.rank}.{name}", state)
                    for name, state in rng_states(model, self.device).items()]
+        pieces = boxes_to_write(pieces, self.group)
         if self.is_coordinator:
             directory.prepare(root, iteration)
         self._barrier()
         metadata = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                    "optimizer": optimizer_values,
                     "layout": {**dataclasses.asdict(self.pstate.layout),
                                "vp": self.config.parallel.num_layers_per_virtual_pipeline_stage},
                     "rng_layout": tag, "config": self.config.to_dict(), "versions": _versions(),
@@ -169,9 +189,26 @@ class Checkpointer:
             self._write(pieces, root, iteration, metadata)
             self._barrier()
         else:
-            staged = [dataclasses.replace(p, data=p.data.detach().to("cpu", copy=True)) for p in pieces]
-            self.pending = self.executor.submit(self._write, staged, root, iteration, metadata)
+            self.pending = self.executor.submit(self._write, self._stage(pieces), root, iteration, metadata)
         return time.perf_counter() - start
+
+    @torch.no_grad()
+    def _stage(self, pieces: list[ShardedTensor]) -> list[ShardedTensor]:
+        """Copies of the boxes in CPU memory that training cannot change; views of the same memory (an fp32
+        weight and its own master) are copied once."""
+        buffers, self.staging = self.staging, {}
+        copies, staged = {}, []
+        for piece in pieces:
+            data = piece.data
+            view = (data.untyped_storage().data_ptr(), data.storage_offset(), tuple(data.shape), data.stride())
+            if view not in copies:
+                copy = buffers.get((piece.key, piece.global_offset))
+                if copy is None or copy.shape != data.shape or copy.dtype != data.dtype:
+                    copy = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.is_cuda)
+                copies[view] = copy.copy_(data)
+            self.staging[(piece.key, piece.global_offset)] = copies[view]
+            staged.append(dataclasses.replace(piece, data=copies[view]))
+        return staged
 
     def _write(self, pieces: list[ShardedTensor], root: str, iteration: int, metadata: dict) -> None:
         """Write this rank's boxes (DCP drops those another rank writes), then commit on the coordinator."""
@@ -230,12 +267,11 @@ class Checkpointer:
         path = directory.checkpoint_path(c.load, iteration)
         saved = directory.read_metadata(path)
         stored = SafeFileSystemReader(path).read_metadata()
-        model_pieces = model_sharded_state_dict(model, self.pstate)
-        pieces = list(model_pieces)
-        optimizer_pieces = []
+        pieces = model_sharded_state_dict(model, self.pstate)
+        optimizer_state = None
         if optimizer is not None and not (c.no_load_optim or c.finetune):
-            optimizer_pieces = optimizer.sharded_state_dict(global_parameter_names(model))
-            pieces += optimizer_pieces
+            optimizer_state = optimizer.sharded_state_dict()
+            pieces += to_boxes(optimizer_state, self.pstate)[0]
         rng = None
         tag = layout_tag(self.config, self.device)
         if not (c.no_load_rng or c.finetune):
@@ -252,8 +288,10 @@ class Checkpointer:
             dcp.load(state_dict_of(pieces), planner=ShardedLoadPlanner(pieces),
                      storage_reader=SafeFileSystemReader(path), process_group=self.group,
                      no_dist=not self.distributed)
-        if optimizer_pieces:
-            optimizer.load_sharded_state_dict(optimizer_pieces)
+        if optimizer_state is not None:  # filled in place; the plain values come from metadata.json
+            optimizer.load_sharded_state_dict({**optimizer_state, **saved["optimizer"]})
+        elif optimizer is not None:
+            optimizer.reload_model_params()
         self._log(f" loaded checkpoint {path} (saved in layout {saved['rng_layout']}) at iteration {iteration}")
         if c.finetune:
             return ResumeState()

@@ -5,9 +5,11 @@ planners take a state dict of whole tensors, DTensors or torch ShardedTensors; o
 checkpoint/sharded.py directly, so a rank may hold any number of boxes of one global tensor at any
 offsets (SwiGLU halves, distributed-optimizer flat ranges) without building a device mesh.
 
-Save: each box becomes one write item indexed by (key, global offset). DCP's coordinator drops items
-that several ranks hold (data-parallel replicas, tied embedding copies) so each is written once, and
-refuses a plan whose boxes overlap or leave a gap. Load: each box reads the overlapping parts of the
+Save: each box becomes one write item indexed by (key, global offset). A box several ranks hold
+(data-parallel replicas, TP-replicated norms, the last stage's copy of tied embeddings) is written by one
+of them: `boxes_to_write` picks it before anything is copied, so an asynchronous save stages only what
+this rank writes (DCP's own deduplication then finds nothing left to drop). DCP's coordinator refuses a
+plan whose boxes overlap or leave a gap. Load: each box reads the overlapping parts of the
 stored chunks, whatever layout wrote them.
 
 Safety: DCP unpickles `.metadata` with plain `pickle` and byte items with `torch.load(weights_only=False)`.
@@ -19,8 +21,10 @@ checkpoint therefore fails to load instead of running code.
 from __future__ import annotations
 
 import pickle
+from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, Metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -46,6 +50,29 @@ def _index(piece: ShardedTensor) -> tuple[str, tuple[int, ...]]:
 def state_dict_of(pieces: list[ShardedTensor]) -> dict[str, torch.Tensor]:
     """The flat dict DCP's save/load/async-save entry points pass around: one entry per box."""
     return {f"{p.key}@{','.join(map(str, p.global_offset))}": p.data for p in pieces}
+
+
+def boxes_to_write(pieces: list[ShardedTensor], group) -> list[ShardedTensor]:
+    """The boxes this rank writes. Every rank sees every rank's box list (one all-gather) and runs the same
+    deterministic assignment: biggest boxes first, each to the least-loaded of the ranks holding it, so
+    replicas are written once and the bytes spread evenly over the ranks."""
+    if group is None:
+        return pieces
+    mine = [(p.key, tuple(p.global_offset), p.data.numel() * p.data.element_size()) for p in pieces]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    holders, sizes = defaultdict(list), {}
+    for rank, boxes in enumerate(everyone):
+        for key, offset, nbytes in boxes:
+            holders[(key, offset)].append(rank)
+            sizes[(key, offset)] = nbytes
+    written, writer = [0] * len(everyone), {}
+    for index in sorted(holders, key=lambda i: (-sizes[i], i)):
+        rank = min(holders[index], key=lambda r: (written[r], r))
+        writer[index] = rank
+        written[rank] += sizes[index]
+    me = dist.get_rank(group)
+    return [p for p in pieces if writer[_index(p)] == me]
 
 
 class ShardedSavePlanner(DefaultSavePlanner):

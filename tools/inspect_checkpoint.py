@@ -1,0 +1,90 @@
+"""What a checkpoint holds: iteration, the layout it was saved in, consumed samples, tensors with global shapes.
+
+    python tools/inspect_checkpoint.py checkpoints/run1                # the newest complete iteration
+    python tools/inspect_checkpoint.py checkpoints/run1 --iteration 200 --all --check
+
+Reads metadata.json and the DCP index only (never unpickling anything but DCP's metadata classes);
+--check also reads every tensor and reports non-finite values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_lite.checkpoint import directory  # noqa: E402
+from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors, stored_bytes  # noqa: E402
+from megatron_lite.checkpoint.planner import SafeFileSystemReader  # noqa: E402
+
+
+def resolve(path: str, iteration: int | None) -> str:
+    """An iteration directory: `path` itself, or the requested / newest complete one under it."""
+    if directory.is_complete(path):
+        return path
+    if iteration is None:
+        iteration = directory.latest_iteration(path)
+        if iteration is None:
+            sys.exit(f"inspect_checkpoint.py: error: no complete checkpoint under {path}")
+    resolved = directory.checkpoint_path(path, iteration)
+    if not directory.is_complete(resolved):
+        sys.exit(f"inspect_checkpoint.py: error: {resolved} is not a complete checkpoint")
+    return resolved
+
+
+def _natural(key: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
+def describe(path: str, show_all: bool) -> list[str]:
+    saved = directory.read_metadata(path)
+    stored = SafeFileSystemReader(path).read_metadata()
+    layout = saved.get("layout", {})
+    lines = [f"checkpoint        {os.path.abspath(path)}",
+             f"iteration         {saved['iteration']}",
+             f"consumed samples  {saved['consumed_samples']}",
+             "saved in layout   " + " x ".join(f"{k.upper()}{layout[k]}" for k in ("tp", "cp", "dp", "pp", "ep", "vp")
+                                                if layout.get(k) is not None),
+             f"optimizer         {saved.get('optimizer', {})}",
+             f"saved at          {saved.get('saved_at')}  with {saved.get('versions')}",
+             f"size on disk      {stored_bytes(stored) / 1e6:.1f} MB"]
+    tensors = stored.state_dict_metadata
+    groups = {"model": [], "optimizer": [], "rng_state": []}
+    for key in sorted(tensors, key=_natural):
+        group = key.split(".")[0] if key.split(".")[0] in ("optimizer", "rng_state") else "model"
+        groups[group].append(key)
+    for group, keys in groups.items():
+        numel = sum(math.prod(tensors[k].size) for k in keys)
+        lines.append(f"{group}: {len(keys)} tensors, {numel:,} elements")
+        if group == "model" or show_all:
+            for key in keys:
+                md = tensors[key]
+                lines.append(f"  {key:<60} {str(tuple(md.size)):<16} {str(md.properties.dtype):<15} "
+                             f"{len(md.chunks)} chunk{'s' * (len(md.chunks) != 1)}")
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", help="a --save directory, or one of its iter_XXXXXXX directories")
+    parser.add_argument("--iteration", type=int, help="which iteration (default: the newest complete one)")
+    parser.add_argument("--all", action="store_true", help="also list optimizer and RNG tensors")
+    parser.add_argument("--check", action="store_true", help="read every tensor and check it is finite")
+    args = parser.parse_args(argv)
+    path = resolve(args.path, args.iteration)
+    print("\n".join(describe(path, args.all)))
+    if args.check:
+        tensors = read_checkpoint_tensors(path)
+        bad = [k for k, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()]
+        print(f"read {len(tensors)} tensors: " + (f"non-finite values in {bad}" if bad else "all finite"))
+        if bad:
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
