@@ -15,16 +15,19 @@ import torch
 from megatron_lite.config import Config, ConfigError, parse_config
 from megatron_lite.model.context_parallel import get_batch_on_this_cp_rank
 from megatron_lite.model.gpt import GPTModel
+from megatron_lite.model.moe import moe_mlp_factory
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.training import ChunkPlan, padded_vocab_for, pretrain
 
 
 def model_provider(config: Config, pstate: ParallelState, plan: ChunkPlan, device: torch.device) -> GPTModel:
-    """One model chunk: the layers of `plan`, with the embedding / output layer where the plan says."""
+    """One model chunk: the layers of `plan`, with the embedding / output layer where the plan says, and
+    MoE layers in place of the dense MLP where --num-experts and --moe-layer-freq say."""
     return GPTModel(config.model, pstate, padded_vocab=padded_vocab_for(config), seed=config.training.seed,
                     pre_process=plan.pre_process, post_process=plan.post_process,
                     layer_offset=plan.layer_offset, num_layers=plan.num_layers,
                     sequence_parallel=config.parallel.sequence_parallel, device=device,
+                    mlp_factory=moe_mlp_factory(config, pstate),
                     cp_comm_type=config.parallel.cp_comm_type)
 
 

@@ -349,6 +349,9 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
         problems.append("--expert-model-parallel-size > 1 needs --num-experts")
     if m.num_experts and m.num_experts % ep:
         problems.append(f"num-experts ({m.num_experts}) must be divisible by expert-model-parallel-size ({ep})")
+    if m.num_experts and m.moe_ffn_hidden_size % tp:
+        problems.append(f"moe-ffn-hidden-size ({m.moe_ffn_hidden_size}) must be divisible by "
+                        f"tensor-model-parallel-size ({tp})")
     if p.num_layers_per_virtual_pipeline_stage is not None and pp == 1:
         problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline-model-parallel-size > 1")
     problems += _pipeline_split_problems(config)
@@ -422,6 +425,13 @@ def _model_problems(config: Config) -> list[str]:
                             f"({m.num_experts})")
         if m.moe_layer_freq < 1:
             problems.append("moe-layer-freq must be at least 1")
+        if m.moe_router_topk < 1:
+            problems.append(f"moe-router-topk ({m.moe_router_topk}) must be at least 1")
+        if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+            problems.append(f"moe-expert-capacity-factor ({m.moe_expert_capacity_factor}) must be positive; "
+                            f"leave it unset for dropless routing")
+        if not m.disable_bias_linear:
+            problems.append("MoE experts have no biases: pass --disable-bias-linear with --num-experts")
     if m.recompute_num_layers is not None and m.recompute_granularity != "full":
         problems.append("--recompute-num-layers needs --recompute-granularity full")
     return problems

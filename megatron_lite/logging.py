@@ -113,7 +113,8 @@ class TrainingLogger:
         if iteration % self.config.logging.log_interval == 0:
             print(format_line(record, self.config.training.train_iters), flush=True)
             if self.wandb is not None:
-                self.wandb.log({k: v for k, v in record.items() if k != "iteration"}, step=iteration)
+                self.wandb.log({k: v for k, v in record.items() if k != "iteration" and not isinstance(v, list)},
+                               step=iteration)
 
     def log_evaluation(self, iteration: int, loss: float) -> None:
         if not self.enabled:
@@ -143,5 +144,7 @@ def format_line(r: dict, train_iters: int) -> str:
              f"tokens/s {r['tokens_per_sec']:,.0f}", f"TFLOP/s/device {r['tflops_per_device']:.2f}"]
     if "mfu" in r:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if "moe_aux_loss" in r:
+        parts.append(f"moe aux loss {r['moe_aux_loss']:.4g} | moe z loss {r['moe_z_loss']:.4g}")
     parts.append(f"mem {r['memory_gib']:.2f} GiB")
     return " | ".join(parts)

@@ -20,6 +20,7 @@ from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.logging import TrainingLogger
+from megatron_lite.model.moe import moe_metrics, set_moe_loss_scale
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.grad_buffer import DistributedDataParallel
@@ -186,6 +187,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
                pstate: ParallelState, iteration: int, device) -> dict:
     for chunk in model:
         chunk.zero_grad_buffer()
+    set_moe_loss_scale(model, optimizer.loss_scale)
     reports, tokens = get_schedule(config)(
         forward_step_func, data_iterator, model, config.num_microbatches, pstate=pstate, config=config,
         loss_scale=optimizer.loss_scale)
@@ -245,6 +247,8 @@ def pretrain(config: Config, model_provider, forward_step_func) -> list[dict]:
             consumed_samples += config.training.global_batch_size
             completed = iteration + 1
             metrics["consumed_samples"] = consumed_samples
+            if completed % config.logging.log_interval == 0:
+                metrics.update(moe_metrics(model, pstate, config))  # load balance over the log interval
             history.append(metrics)
             logger.log_iteration(iteration + 1, metrics)
             if valid_iterator is not None and (iteration + 1) % config.training.eval_interval == 0:

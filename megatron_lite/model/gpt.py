@@ -103,12 +103,15 @@ class GPTModel(torch.nn.Module):
 
     # ----------------------------------------------------------------------------------------------
     def global_name(self, local_name: str) -> str:
-        """The layout-independent name of a parameter: global layer index; a last stage's copy of tied
-        embeddings is the word-embedding table itself."""
+        """The layout-independent name of a parameter: global layer index, global expert index (local expert
+        j of expert-parallel rank r is expert r E/ep + j); a last stage's copy of tied embeddings is the
+        word-embedding table itself."""
         if self.share_embeddings and local_name == "output_layer.weight":
             return WORD_EMBEDDINGS
-        return re.sub(r"^decoder\.layers\.(\d+)\.",
+        name = re.sub(r"^decoder\.layers\.(\d+)\.",
                       lambda m: f"decoder.layers.{int(m.group(1)) + self.layer_offset}.", local_name)
+        first_expert = self.pstate.ep_rank * (self.config.num_experts or 0) // self.pstate.ep_size
+        return re.sub(r"\.mlp\.experts\.(\d+)\.", lambda m: f".mlp.experts.{int(m.group(1)) + first_expert}.", name)
 
     def named_global_parameters(self):
         for name, param in self.named_parameters():

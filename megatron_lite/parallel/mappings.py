@@ -10,6 +10,7 @@ a tensor-parallel layer are exactly the gradients of the unsplit layer:
   scatter_to_sequence_parallel_region      split dim 0     | all-gather dim 0
   gather_from_sequence_parallel_region     all-gather dim 0| reduce-scatter dim 0 (or split)
   reduce_scatter_to_sequence_parallel_region reduce-scatter | all-gather dim 0
+  all_to_all                               all-to-all dim 0 | all-to-all back (uneven splits: MoE tokens)
 
 A group of None means "no parallelism here" and every op is the identity. The module also holds the
 plain (non-autograd) collectives the rest of the package uses, so that no layer calls torch.distributed
@@ -60,6 +61,20 @@ def split_along_dim(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
         return tensor
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     return tensor.chunk(size, dim=dim)[rank].contiguous()
+
+
+def all_to_all_single(tensor: torch.Tensor, group, output_splits: list[int] | None = None,
+                      input_splits: list[int] | None = None) -> torch.Tensor:
+    """Rows [sum(input_splits[:r]), +input_splits[r]) go to rank r; rank r's rows arrive in rank order.
+    Without splits every rank sends (and receives) equal parts."""
+    if group is None:
+        return tensor
+    tensor = tensor.contiguous()
+    rows = tensor.shape[0] if output_splits is None else sum(output_splits)
+    out = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    dist.all_to_all_single(out, tensor, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                           group=group)
+    return out
 
 
 def all_gather_along_dim(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -155,6 +170,17 @@ class _ReduceScatterDim0(torch.autograd.Function):
         return all_gather_dim0(grad, ctx.group), None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return all_to_all_single(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_single(grad, ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
+
+
 def copy_to_tensor_parallel_region(x, group):
     """Enter a TP region with a replicated input: identity forward, all-reduce of the gradient."""
     return x if group is None else _CopyToRegion.apply(x, group)
@@ -189,3 +215,8 @@ def gather_from_sequence_parallel_region(x, group, output_feeds_tensor_parallel=
 def reduce_scatter_to_sequence_parallel_region(x, group):
     """[s, b, h] partial sums -> [s/tp, b, h] full sums: the SP replacement of the TP all-reduce."""
     return x if group is None else _ReduceScatterDim0.apply(x, group)
+
+
+def all_to_all(x, group, output_splits: list[int], input_splits: list[int]):
+    """Exchange rows with every rank of `group` (uneven splits); the gradient travels the reverse way."""
+    return x if group is None else _AllToAll.apply(x, group, output_splits, input_splits)

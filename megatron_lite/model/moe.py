@@ -1,0 +1,193 @@
+"""Mixture-of-Experts layer: router -> token dispatcher -> local experts -> dispatcher back.
+
+An MoE layer replaces the dense MLP of every --moe-layer-freq-th transformer layer (layers 0, f, 2f, ..)
+with E expert MLPs and a router that sends each token to k of them, so parameters grow with E while
+the compute per token stays that of k experts (Switch Transformer, GShard, Mixtral).
+
+Expert parallelism: the EP ranks (carved from the data x context parallel ranks of a pipeline stage,
+see parallel/state.py) each hold E / ep experts. Local expert j of EP rank r is global expert
+r E / ep + j and is named so (`decoder.layers.3.mlp.experts.<r E/ep + j>.linear_fc1.weight`), which makes
+its initial value and checkpoint key independent of the layout. Expert gradients are reduced over the
+expert-data-parallel group only (ShardSpec.expert), the router's over dp x cp like any dense weight.
+
+Tensor parallelism: expert weights are split across TP exactly as the dense MLP's (expert-tensor-parallel
+size = TP, Megatron's default): fc1 by output rows ([gate; up] halves split separately for SwiGLU), fc2
+by input columns. The whole layer is one tensor-parallel region: the router runs on this rank's tokens,
+then the tokens and their routing enter the region (copied, or all-gathered along the sequence with
+sequence parallelism), every TP rank dispatches the same tokens over its own EP group and computes its
+slice of the experts, and the combined per-token output, a partial sum over TP, leaves the region with
+one all-reduce (reduce-scatter with SP). That is the dense MLP's communication, on T h values rather
+than on the T k h expert outputs that Megatron reduce-scatters before its reverse all-to-all.
+
+Experts have no biases (as Megatron's grouped experts); local experts are computed in a loop, which on
+the CPU is as fast as a grouped GEMM would be.
+
+Statistics (aux loss, z-loss, tokens per expert, dropped token copies) accumulate in each layer during
+backward and are read, summed over ranks and reset by `moe_metrics` once per log interval.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.config import Config, ModelConfig
+from megatron_lite.model.mlp import activation
+from megatron_lite.model.moe_router import MoEAuxLossAutoScaler, TopKRouter, capacity_keep_mask
+from megatron_lite.model.moe_token_dispatcher import TOKEN_DISPATCHERS
+from megatron_lite.model.sharding import ShardSpec, new_parameter
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.state import ParallelState
+
+
+class ExpertLinear(torch.nn.Module):
+    """One weight of an expert, this TP rank's slice; no communication (the MoE layer does it once)."""
+
+    def __init__(self, spec: ShardSpec, tp_size: int):
+        super().__init__()
+        self.weight = new_parameter(spec, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class ExpertMLP(torch.nn.Module):
+    """h -> ffn -> h with GELU or SwiGLU: [n, h] -> [n, h], a partial sum over TP."""
+
+    def __init__(self, config: ModelConfig, tp_size: int):
+        super().__init__()
+        self.config = config
+        h, ffn, chunks = config.hidden_size, config.moe_ffn_hidden_size, 2 if config.swiglu else 1
+        self.linear_fc1 = ExpertLinear(ShardSpec((chunks * ffn, h), tp_dim=0, tp_chunks=chunks, expert=True), tp_size)
+        self.linear_fc2 = ExpertLinear(ShardSpec((h, ffn), tp_dim=1, init="scaled_normal", expert=True), tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(activation(self.config, self.linear_fc1(x)))
+
+
+# Columns of MoELayer.statistics.
+_MICROBATCHES, _AUX_LOSS, _Z_LOSS, _DROPPED, _TOKENS_PER_EXPERT = 0, 1, 2, 3, 4
+
+
+class MoELayer(torch.nn.Module):
+    """The MLP of one MoE transformer layer (global index `layer_number`)."""
+
+    def __init__(self, config: ModelConfig, pstate: ParallelState, layer_number: int, *, sequence_parallel: bool,
+                 token_dispatcher: str):
+        super().__init__()
+        self.layer_number = layer_number
+        self.num_experts = config.num_experts
+        self.capacity_factor = config.moe_expert_capacity_factor
+        self.tp_group = pstate.group("tp")
+        self.sequence_parallel = sequence_parallel
+        self.router = TopKRouter(config, pstate, sequence_parallel=sequence_parallel)
+        self.experts = torch.nn.ModuleList(ExpertMLP(config, pstate.tp_size)
+                                           for _ in range(config.num_experts // pstate.ep_size))
+        self.token_dispatcher = TOKEN_DISPATCHERS[token_dispatcher](config.num_experts, pstate)
+        self.loss_scale = 1.0  # the factor the schedule multiplies the loss by (fp16 loss scaling)
+        # Since the last moe_metrics, in float64 on the model's device (None until the first backward):
+        # micro-batches, this rank's shares of aux and z-loss, dropped token copies, tokens per expert.
+        self.statistics: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[s, b, h] -> [s, b, h] (each [s/tp, b, h] with sequence parallelism)."""
+        probs, indices, losses = self.router(x)  # [s b, k] for this rank's tokens
+        tokens, probs, indices = self._enter_tensor_parallel_region(x, probs, indices)  # [T, h], [T, k], [T, k]
+        keep = (capacity_keep_mask(probs, indices, self.num_experts, self.capacity_factor)
+                if self.capacity_factor is not None else None)
+        dropped = torch.zeros((), device=x.device) if keep is None else (~keep).sum()
+        record = torch.cat([torch.stack([torch.ones((), device=x.device), losses.aux_loss.detach(),
+                                         losses.z_loss.detach(), dropped.float()]).double(),
+                            losses.tokens_per_expert.double()])
+        probs = MoEAuxLossAutoScaler.apply(probs, losses.aux_loss + losses.z_loss,
+                                           losses.num_tokens * self.loss_scale,
+                                           lambda: self._record_statistics(record))
+        expert_inputs, tokens_per_expert, handle = self.token_dispatcher.dispatch(tokens, probs, indices, keep)
+        outputs = [expert(chunk) for expert, chunk in zip(self.experts, expert_inputs.split(tokens_per_expert))]
+        output = self.token_dispatcher.combine(torch.cat(outputs), handle)  # [T, h] partial sum over TP
+        return self._leave_tensor_parallel_region(output.view(-1, *x.shape[1:]))
+
+    def _record_statistics(self, record: torch.Tensor) -> None:
+        self.statistics = record if self.statistics is None else self.statistics + record
+
+    def _enter_tensor_parallel_region(self, x, probs, indices):
+        """This rank's tokens and routing -> those of every TP rank ([s/tp b, .] -> [s b, .] with SP). The
+        gradients of x and probs from the TP-split experts are partial, so they are summed over TP."""
+        tokens = x.reshape(-1, x.shape[-1])
+        if self.sequence_parallel:
+            return (mappings.gather_from_sequence_parallel_region(tokens, self.tp_group),
+                    mappings.gather_from_sequence_parallel_region(probs, self.tp_group),
+                    mappings.all_gather_dim0(indices, self.tp_group))
+        return (mappings.copy_to_tensor_parallel_region(tokens, self.tp_group),
+                mappings.copy_to_tensor_parallel_region(probs, self.tp_group), indices)
+
+    def _leave_tensor_parallel_region(self, output):
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(output, self.tp_group)  # -> [s/tp, b, h]
+        return mappings.reduce_from_tensor_parallel_region(output, self.tp_group)
+
+
+def moe_mlp_factory(config: Config, pstate: ParallelState):
+    """GPTModel's `mlp_factory`: an MoELayer for every --moe-layer-freq-th layer, None (the dense MLP)
+    for the others; None altogether for a dense model."""
+    m = config.model
+    if not m.num_experts:
+        return None
+
+    def build(layer_number: int) -> MoELayer | None:
+        if layer_number % m.moe_layer_freq:
+            return None
+        return MoELayer(m, pstate, layer_number, sequence_parallel=config.parallel.sequence_parallel,
+                        token_dispatcher=m.moe_token_dispatcher_type)
+
+    return build
+
+
+def moe_layers(model_chunks) -> list[MoELayer]:
+    return [module for chunk in model_chunks for module in chunk.modules() if isinstance(module, MoELayer)]
+
+
+def set_moe_loss_scale(model_chunks, loss_scale: float) -> None:
+    """Scale the MoE losses' gradients as the schedule scales the language-model loss's (fp16)."""
+    for layer in moe_layers(model_chunks):
+        layer.loss_scale = loss_scale
+
+
+def moe_layer_numbers(config: ModelConfig) -> list[int]:
+    """Global indices of the MoE layers."""
+    return list(range(0, config.num_layers, config.moe_layer_freq)) if config.num_experts else []
+
+
+@torch.no_grad()
+def moe_metrics(model_chunks, pstate: ParallelState, config: Config) -> dict:
+    """Per MoE layer, since the last call: mean aux loss and z-loss per micro-batch (coefficients
+    applied), tokens per expert and dropped token copies, summed over all ranks; resets the layers'
+    statistics. A collective over the world: every rank calls it at the same iterations."""
+    m = config.model
+    numbers = moe_layer_numbers(m)
+    if not numbers:
+        return {}
+    layers = moe_layers(model_chunks)
+    device = next(model_chunks[0].parameters()).device
+    table = torch.zeros(m.num_layers, _TOKENS_PER_EXPERT + m.num_experts, dtype=torch.float64, device=device)
+    for layer in layers:
+        if layer.statistics is not None:
+            table[layer.layer_number] = layer.statistics
+        layer.statistics = None
+    mappings.all_reduce(table, pstate.group("world"))
+    # Every micro-batch is seen by its tp x cp ranks; the router's shares and counts are whole on every TP
+    # rank without sequence parallelism; the capacity decision is taken on every TP rank.
+    tp, cp = pstate.tp_size, pstate.cp_size
+    router_copies = 1 if config.parallel.sequence_parallel else tp
+    metrics = {}
+    for number in numbers:
+        row = table[number]
+        microbatches = max(float(row[_MICROBATCHES]) / (tp * cp), 1.0)
+        metrics[f"moe_aux_loss_layer_{number}"] = float(row[_AUX_LOSS]) / router_copies / microbatches
+        metrics[f"moe_z_loss_layer_{number}"] = float(row[_Z_LOSS]) / router_copies / microbatches
+        metrics[f"moe_dropped_tokens_layer_{number}"] = round(float(row[_DROPPED]) / tp)
+        metrics[f"moe_tokens_per_expert_layer_{number}"] = [
+            round(v) for v in (row[_TOKENS_PER_EXPERT:] / router_copies).tolist()]
+    metrics["moe_aux_loss"] = sum(metrics[f"moe_aux_loss_layer_{n}"] for n in numbers) / len(numbers)
+    metrics["moe_z_loss"] = sum(metrics[f"moe_z_loss_layer_{n}"] for n in numbers) / len(numbers)
+    return metrics

@@ -1,0 +1,138 @@
+"""Expert parallelism trains exactly as one process holding every expert.
+
+EP 1, 2 and 4 (with expert-data-parallel replicas), EP2 x TP2 with and without sequence parallelism,
+EP2 x PP2 and the allgather dispatcher: the losses of 10 steps and the logged aux loss, z-loss and tokens
+per expert equal the single-device run's, and so do the first step's gradients of every router and expert
+weight (later steps' weights differ by Adam-amplified rounding). With a capacity factor the same token
+copies are dropped on every layout. One 4-rank world runs every layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import pretrain_gpt
+from megatron_lite.config import make_config
+from megatron_lite.model.sharding import unshard
+from megatron_lite.training import pretrain
+from tests.harness import run_on_ranks
+
+# Four layers with --moe-layer-freq 2: MoE layers 0 and 2 (one on each stage of a 2-stage pipeline), dense 1, 3.
+MOE = {
+    "model_preset": "mixtral-tiny", "mock_data": True, "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 128,
+    "moe_ffn_hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 256,
+    "num_experts": 4, "moe_router_topk": 2, "moe_layer_freq": 2, "moe_aux_loss_coeff": 0.01,
+    "moe_z_loss_coeff": 0.001, "seq_length": 32, "max_position_embeddings": 32, "micro_batch_size": 2,
+    "global_batch_size": 8, "train_iters": 10, "lr": 3e-3, "lr_warmup_iters": 1, "eval_interval": 1000,
+    "log_interval": 1,
+}
+ONE_STEP = {**MOE, "train_iters": 1}
+CAPACITY = {**MOE, "moe_expert_capacity_factor": 1.0, "train_iters": 4}
+
+LAYOUTS = {  # name: flags on top of MOE, on 4 ranks
+    "ep1_dp4": {"expert_model_parallel_size": 1},
+    "ep2_dp4": {"expert_model_parallel_size": 2},
+    "ep4": {"expert_model_parallel_size": 4},
+    "ep2_tp2_sp": {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "ep2_tp2": {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2},
+    "ep2_pp2": {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    "ep2_allgather": {"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
+}
+CAPACITY_LAYOUTS = ("ep4", "ep2_tp2_sp", "ep2_pp2", "ep2_allgather")
+
+_BUILT: list = []
+
+
+def _capturing_provider(config, pstate, plan, device):
+    chunk = pretrain_gpt.model_provider(config, pstate, plan, device)
+    _BUILT.append(chunk)
+    return chunk
+
+
+def _train(values: dict, world_size: int) -> dict:
+    """Losses and MoE metrics per step; the last step's gradients of the router and expert weights as
+    {global name: (tp rank, spec, tensor)}, this rank's pieces."""
+    _BUILT.clear()
+    history = pretrain(make_config(values, world_size), _capturing_provider, pretrain_gpt.forward_step)
+    grads = {name: (chunk.pstate.tp_rank, param.spec, param.main_grad.clone())
+             for chunk in _BUILT for name, param in chunk.named_global_parameters()
+             if ".mlp.router." in name or ".mlp.experts." in name}
+    return {"history": history, "grads": grads}
+
+
+def _train_layouts(runs: list[tuple[str, dict]], world_size: int) -> dict:
+    return {name: _train(values, world_size) for name, values in runs}
+
+
+def _join(rank_results: list[dict], key: str) -> dict:
+    """{global name: global tensor} from every rank's pieces; every replica of a piece must agree."""
+    pieces: dict[str, dict] = {}
+    for result in rank_results:
+        for name, (tp_rank, spec, tensor) in result[key].items():
+            held = pieces.setdefault(name, {})
+            if tp_rank in held:  # a data-parallel (expert-data-parallel) replica
+                assert _relative_error(tensor, held[tp_rank][1]) < 1e-6, f"replicas of {name} differ"
+            held[tp_rank] = (spec, tensor)
+    return {name: unshard([by_rank[r][1] for r in sorted(by_rank)], by_rank[0][0]) for name, by_rank in pieces.items()}
+
+
+def _relative_error(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def _assert_runs_match(name: str, rank_results: list[dict], reference: dict, compare_grads: bool = False):
+    for rank, result in enumerate(rank_results):  # every rank logs the same global figures
+        for step, (got, expected) in enumerate(zip(result["history"], reference["history"], strict=True)):
+            where = f"{name} rank {rank} step {step + 1}"
+            assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), where
+            for key, value in expected.items():
+                if key.startswith("moe_tokens_per_expert") or key.startswith("moe_dropped"):
+                    assert got[key] == value, f"{where} {key}"
+                elif key.startswith("moe_"):
+                    assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), f"{where} {key}"
+    if compare_grads:
+        joined, expected = _join(rank_results, "grads"), _join([reference], "grads")
+        assert joined.keys() == expected.keys(), f"{name}: router/expert parameter names differ"
+        for param_name, tensor in joined.items():
+            error = _relative_error(tensor, expected[param_name])
+            assert error < 1e-5, f"{name}: gradient of {param_name} off by {error:.2e}"
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {"dropless": _train(MOE, 1), "one_step": _train(ONE_STEP, 1), "capacity": _train(CAPACITY, 1)}
+
+
+@pytest.fixture(scope="module")
+def parallel_runs():
+    runs = [(name, {**MOE, **flags}) for name, flags in LAYOUTS.items()]
+    runs += [(f"one_step_{name}", {**ONE_STEP, **flags}) for name, flags in LAYOUTS.items()]
+    runs += [(f"capacity_{name}", {**CAPACITY, **LAYOUTS[name]}) for name in CAPACITY_LAYOUTS]
+    per_rank = run_on_ranks(4, _train_layouts, runs, 4, timeout=900)
+    return {name: [ranks[name] for ranks in per_rank] for name, _ in runs}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_layout_matches_single_device(layout, references, parallel_runs):
+    _assert_runs_match(layout, parallel_runs[layout], references["dropless"])
+    _assert_runs_match(layout, parallel_runs[f"one_step_{layout}"], references["one_step"], compare_grads=True)
+
+
+def test_reference_run_trains_and_logs_load_balance(references):
+    history = references["dropless"]["history"]
+    assert history[-1]["lm_loss"] < history[0]["lm_loss"]
+    tokens_per_step = MOE["global_batch_size"] * MOE["seq_length"] * MOE["moe_router_topk"]
+    for record in history:
+        for layer in (0, 2):
+            assert sum(record[f"moe_tokens_per_expert_layer_{layer}"]) == tokens_per_step
+            assert record[f"moe_aux_loss_layer_{layer}"] >= MOE["moe_aux_loss_coeff"] * 0.999  # 1 x coeff if balanced
+            assert record[f"moe_z_loss_layer_{layer}"] > 0
+            assert record[f"moe_dropped_tokens_layer_{layer}"] == 0
+        assert "moe_aux_loss_layer_1" not in record  # a dense layer
+
+
+@pytest.mark.parametrize("layout", CAPACITY_LAYOUTS)
+def test_capacity_drops_the_same_tokens_on_every_layout(layout, references, parallel_runs):
+    reference = references["capacity"]
+    assert all(record["moe_dropped_tokens_layer_0"] > 0 for record in reference["history"])
+    _assert_runs_match(f"capacity_{layout}", parallel_runs[f"capacity_{layout}"], reference)
