@@ -55,3 +55,15 @@ def test_reshard_between_tp2_pp2_dp2_tp1_pp4_dp2_and_one_rank_with_distributed_o
     for name in ("tp2pp2dp2 -> tp1pp4dp2", "tp1pp4dp2 -> tp2pp2dp2", "tp1 -> tp2pp2dp2", "tp2pp2dp2 -> tp1"):
         assert len(runs[name]) == 5
         assert runs[name] == pytest.approx(reference[5:], rel=1e-5), name
+
+
+def _zero3_first_half(root: str) -> list[float]:
+    return first_half({"data_parallel_sharding_strategy": "optim_grads_params"}, root, 2)
+
+
+def test_zero3_dp2_checkpoint_resumes_on_one_rank(tmp_path):
+    """Under ZeRO-3 the weights exist only as data-parallel shards; the checkpoint still holds whole tensors."""
+    reference = train({}, 1)
+    first = run_on_ranks(2, _zero3_first_half, str(tmp_path))[-1]
+    assert first == pytest.approx(reference[:5], rel=1e-5)
+    assert second_half({}, str(tmp_path), 1) == pytest.approx(reference[5:], rel=1e-5)

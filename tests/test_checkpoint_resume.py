@@ -10,6 +10,7 @@ import torch
 import pretrain_gpt
 from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
+from megatron_lite.checkpoint.planner import CheckpointError
 from megatron_lite.config import ConfigError, make_config
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks
@@ -54,6 +55,18 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     assert saved["optimizer"]["optimizer.step"] == 10
 
 
+def test_bf16_resume_keeps_the_fp32_masters(tmp_path):
+    """bf16 weights with fp32 masters: the masters are saved (optimizer.state.fp32_param) and resumed exactly."""
+    values = {**TINY, "bf16": True, "train_iters": 4, "lr_decay_iters": 4, "eval_interval": 1000}
+    straight = train({**values, "save": f"{tmp_path}/straight"})
+    first = train({**values, "save": f"{tmp_path}/resumed", "exit_interval": 2})
+    second = train({**values, "save": f"{tmp_path}/resumed", "load": f"{tmp_path}/resumed"})
+    assert first + second == straight
+    assert _same_tensors(f"{tmp_path}/straight/iter_0000004", f"{tmp_path}/resumed/iter_0000004") == []
+    masters = read_checkpoint_tensors(f"{tmp_path}/resumed/iter_0000004", "optimizer.state.fp32_param.")
+    assert masters and all(t.dtype == torch.float32 for t in masters.values())
+
+
 def _resume_on_ranks(values: dict, root: str) -> tuple[list, list, list]:
     straight, resumed = straight_and_resumed(values, root, world_size=2)
     return straight, resumed, _same_tensors(f"{root}/straight/iter_0000010", f"{root}/resumed/iter_0000010")
@@ -80,6 +93,12 @@ def test_no_load_optim_and_finetune(tmp_path):
     assert len(finetuned) == 2 and finetuned[0] < straight[0] - 0.01
     with pytest.raises(ConfigError, match="need --load DIR"):
         make_config({**TINY, "finetune": True})
+
+
+def test_checkpoint_of_another_model_shape_fails_with_a_clear_error(tmp_path):
+    train({**TINY, "save": str(tmp_path), "train_iters": 1})
+    with pytest.raises(CheckpointError, match="has global shape .* but this model expects .*configuration differs"):
+        train({**TINY, "load": str(tmp_path), "hidden_size": 128})
 
 
 def test_keep_last_n_exit_duration_and_tracker(tmp_path):
