@@ -154,6 +154,9 @@ def write_results(result: dict, output_dir: str) -> None:
              f"({result['tokenizer']}, eod appended). Median of {result['repeats']} runs, from reading the input "
              f"to tokens on disk; all outputs hold the same tokens.", "",
              "| pipeline | workers | seconds | tokens/s | vs. baseline, same workers |", "|---|---|---|---|---|"]
+    if m["load_average_1min"] > m["cpu_count"]:
+        lines[-2:-2] = [f"The machine was shared (load {m['load_average_1min']} on {m['cpu_count']} cores): the "
+                        f"absolute figures understate an idle machine; compare rows of this run.", ""]
     for r in result["runs"]:
         lines.append(f"| {r['name']} | {r['workers']} | {r['seconds_median']:.2f} | {r['tokens_per_s']:,} | "
                      f"{r['speedup_vs_baseline_same_workers']:.2f}x |")
