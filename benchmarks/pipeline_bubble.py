@@ -11,7 +11,7 @@ each layout's figures, the ratio to theory, the interleaved/1F1B ratio at p = 4,
 step per stage (F/B = forward/backward of chunk 0, f/b of chunk 1, '.' idle); appends the figures with
 date, machine and command to benchmarks/results/pipeline_bubble.jsonl.
 
-    python -m benchmarks.pipeline_bubble [--forward-ms 20] [--steps 5]
+    python -m benchmarks.pipeline_bubble [--forward-ms 50] [--steps 4]
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ def render(stage: dict, slot_s: float, width: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--forward-ms", type=float, default=20.0, help="forward time of one stage per micro-batch")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per layout (after one warm-up)")
+    parser.add_argument("--forward-ms", type=float, default=50.0, help="forward time of one stage per micro-batch")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per layout (after one warm-up)")
     args = parser.parse_args()
     forward_s = args.forward_ms / 1000
     figures, timelines = [], {}
