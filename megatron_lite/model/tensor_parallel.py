@@ -148,12 +148,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_target, outside = ctx.saved_tensors
         eps = ctx.label_smoothing
-        grad = softmax.clone()
+        # The gradient is built in the saved softmax, as Megatron does: the logits' size is the largest
+        # activation of the model. A second backward through this graph fails autograd's version check.
+        grad = softmax
         hit = (~outside).float() * (1.0 - eps)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
         if eps > 0:
             grad[..., :ctx.padded_from] -= eps / ctx.vocab_size
-        return grad * grad_loss.unsqueeze(-1), None, None, None, None, None
+        return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pstate: ParallelState,
