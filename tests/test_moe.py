@@ -30,7 +30,7 @@ def _layer(values: dict) -> MoELayer:
 
 def _naive_keep(probs, indices, num_experts, capacity):
     """Each expert keeps its `capacity` most probable tokens, the earlier token first on ties."""
-    keep = torch.zeros_like(indices, dtype=torch.bool)
+    keep, probs = torch.zeros_like(indices, dtype=torch.bool), probs.detach()
     for expert in range(num_experts):
         queue = sorted((-float(probs[t, j]), t, j) for t in range(indices.shape[0])
                         for j in range(indices.shape[1]) if indices[t, j] == expert)
