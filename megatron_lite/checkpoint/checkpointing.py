@@ -43,17 +43,13 @@ from megatron_lite.checkpoint.planner import (
     missing_or_mismatched,
     state_dict_of,
 )
+from megatron_lite.checkpoint.rng_state import layout_tag, rng_states, set_rng_states
 from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config import Config
 from megatron_lite.optim.grad_buffer import FlatShard
 from megatron_lite.parallel.state import ParallelState
 
 FORMAT = "megatron_lite/dcp/1"
-
-
-def _modules(model: list) -> list[torch.nn.Module]:
-    """The model chunks without their data-parallel wrappers."""
-    return [getattr(chunk, "module", chunk) for chunk in model]
 
 
 def to_boxes(state: dict, pstate: ParallelState) -> tuple[list[ShardedTensor], dict]:
@@ -77,39 +73,6 @@ def model_sharded_state_dict(model: list, pstate: ParallelState) -> list[Sharded
             state.update({name: FlatShard(p.detach().view(-1), p.spec, (0, p.numel()))
                           for name, p in chunk.named_global_parameters()})
     return to_boxes(state, pstate)[0]
-
-
-def layout_tag(config: Config, device: torch.device) -> str:
-    """Which generator states a rank has: they only carry over to the same ranks of the same layout."""
-    p = config.parallel
-    return (f"tp{p.tensor_model_parallel_size}_cp{p.context_parallel_size}_dp{p.data_parallel_size}_"
-            f"pp{p.pipeline_model_parallel_size}_ep{p.expert_model_parallel_size}_"
-            f"vp{p.num_layers_per_virtual_pipeline_stage or 0}_{device.type}")
-
-
-def _rng_trackers(model: list) -> list:
-    return [getattr(getattr(module, "decoder", None), "rng_tracker", None) for module in _modules(model)]
-
-
-def rng_states(model: list, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every random generator the run draws from: torch's default (CPU and GPU) and each chunk's
-    tensor-parallel stream."""
-    states = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    for index, tracker in enumerate(_rng_trackers(model)):
-        if tracker is not None:
-            states[f"tracker_{index}"] = tracker.state
-    return states
-
-
-def set_rng_states(model: list, device: torch.device, states: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(states["cpu"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states["cuda"], device)
-    for index, tracker in enumerate(_rng_trackers(model)):
-        if tracker is not None:
-            tracker.state = states[f"tracker_{index}"].clone()
 
 
 @dataclasses.dataclass
@@ -211,7 +174,7 @@ class Checkpointer:
         return staged
 
     def _write(self, pieces: list[ShardedTensor], root: str, iteration: int, metadata: dict) -> None:
-        """Write this rank's boxes (DCP drops those another rank writes), then commit on the coordinator."""
+        """Write this rank's boxes, then, once every rank has written, commit on the coordinator."""
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
