@@ -107,6 +107,7 @@ class _MicroBatchRunner:
         self.loss_scale = loss_scale
         self.forward_only = forward_only
         self.stats = stats
+        stats.start = time.perf_counter()
         self.reports: list[dict] = []
         self.total_tokens = torch.zeros((), dtype=torch.float64)
 
@@ -145,10 +146,11 @@ class _MicroBatchRunner:
         self.stats.events.append(("B", chunk_id, microbatch, start, time.perf_counter()))
         return input_tensor.grad if input_tensor is not None else None
 
-    def finish(self, stats: ScheduleStats):
-        stats.end = time.perf_counter()
+    def finish(self):
+        """Close the timeline; the schedule's return value (reports, local token count)."""
+        self.stats.end = time.perf_counter()
         if trace_enabled():
-            trace(f"rank {self.pstate.rank} stage {self.pstate.pp_rank} {stats.summary()}")
+            trace(f"rank {self.pstate.rank} stage {self.pstate.pp_rank} {self.stats.summary()}")
         return self.reports, self.total_tokens
 
 
@@ -215,7 +217,7 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
             input_grad = run.backward(0, backward_mb, input_tensor, output, output_grad,
                                       backward_mb == num_microbatches - 1)
             comm.send_backward(input_grad, (backward_mb, 0))
-    return run.finish(stats)
+    return run.finish()
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -366,4 +368,4 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
             from_next = comm.communicate(send_prev=input_grad, send_prev_label=grad_label,
                                          recv_next=expect_grad(next_chunk) if recv_next else None)[1]
             store(None, next_chunk if recv_next else None, None, from_next)
-    return run.finish(stats)
+    return run.finish()
