@@ -17,7 +17,7 @@ from megatron_lite.model.sharding import unshard
 from megatron_lite.model.transformer import HiddenDropout
 from megatron_lite.parallel.random import RNGTracker
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.training import model_chunk_plans
+from megatron_lite.training import ChunkPlan, model_chunk_plans
 from tests.harness import run_on_ranks
 from tests.test_tensor_parallel_layers import gather_pieces
 
@@ -120,3 +120,15 @@ def test_recomputation_replays_the_dropout_masks(random_results, sequence_parall
         assert torch.equal(recomputed_hidden, hidden)
         for name, grad in grads.items():
             torch.testing.assert_close(recomputed_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_model_chunks_of_one_rank_draw_different_tensor_parallel_streams():
+    """Virtual pipeline stages: two chunks on one rank must not repeat each other's dropout masks."""
+    config = make_config({**DROPOUT_MODEL, "tensor_model_parallel_size": 1, "num_layers": 4}, 1)
+    chunks = [pretrain_gpt.model_provider(config, ParallelState.single(), plan, torch.device("cpu"))
+              for plan in (ChunkPlan(0, 2, True, False), ChunkPlan(2, 2, False, True))]
+    draws = []
+    for chunk in chunks:
+        with chunk.decoder.rng_tracker.fork():
+            draws.append(torch.rand(8))
+    assert not torch.equal(draws[0], draws[1])

@@ -73,7 +73,7 @@ class GPTModel(torch.nn.Module):
         self.share_embeddings = not config.untie_embeddings_and_output_weights
         self.input_tensor = None
         num_layers = config.num_layers if num_layers is None else num_layers
-        tracker = RNGTracker(seed, pstate.tp_rank, pstate.pp_rank, device)
+        tracker = RNGTracker(seed, pstate.tp_rank, pstate.pp_rank, device, layer_offset)
         backend = choose_attention_backend(config.attention_backend, device)
 
         if pre_process:
