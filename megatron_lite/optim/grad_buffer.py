@@ -30,6 +30,8 @@ backward runs; once all the unit's gradients are accumulated its buckets are red
 freed again. Inside backward (activation recomputation) forward hooks gather but do not free.
 `--overlap-param-gather` prefetches the next unit (the previous one in backward); for ZeRO-1/2 it makes
 the post-step all-gathers asynchronous, each module waiting for its own buckets in a forward pre-hook.
+Expert buckets are never reduced from a gradient hook: whether an expert's gradient arrives may depend on
+the routing, and the ranks of a group must issue collectives in one order, so they go after backward.
 
 A rank's shard of a bucket is a flat range of elements, so a parameter's part of it is a flat range of
 the parameter's elements (`OwnedRange`); the distributed optimizer steps exactly those, and `FlatShard`
@@ -368,7 +370,10 @@ class DistributedDataParallel(torch.nn.Module):
     # -- backward -------------------------------------------------------------------------------------
     def _accumulate(self, param: torch.nn.Parameter) -> None:
         """Move the fresh gradient into the buffer; reduce a bucket as soon as it is complete when the
-        strategy (ZeRO-2/3) or --overlap-grad-reduce (last micro-batch) asks for it."""
+        strategy (ZeRO-2/3) or --overlap-grad-reduce (last micro-batch) asks for it.
+
+        Expert buckets are reduced only after backward, in bucket order: whether an expert's gradient
+        arrives can depend on the routing, and every rank must issue the collectives in the same order."""
         bucket = self.bucket_of[param]
         if bucket.grad_data is None:  # ZeRO-2/3: a fresh temporary buffer for this backward
             bucket.attach_grads(torch.zeros(bucket.numel, dtype=torch.float32, device=param.device))
@@ -378,22 +383,25 @@ class DistributedDataParallel(torch.nn.Module):
             self._queue_end_of_backward()
             bucket.pending.discard(param)
             if not bucket.pending:
-                self._reduce_in_backward(bucket)
-        elif self.overlap_grad_reduce and self.is_last_microbatch:
+                self._bucket_complete(bucket)
+        elif self.overlap_grad_reduce and self.is_last_microbatch and not param.spec.expert:
             bucket.pending.discard(param)
             if not bucket.pending:
                 bucket.start_grad_reduction()
 
-    def _reduce_in_backward(self, bucket: Bucket) -> None:
-        bucket.start_grad_reduction()
-        self._reduced.add(id(bucket))
+    def _bucket_complete(self, bucket: Bucket) -> None:
+        """ZeRO-2/3: reduce-scatter a complete bucket now (expert buckets wait for the end of backward); under
+        ZeRO-3 free a unit whose gradients are all complete."""
+        if not bucket.params[0].spec.expert:
+            bucket.start_grad_reduction()
+            self._reduced.add(id(bucket))
+            if not self.overlap_grad_reduce:
+                bucket.finish_grad_reduction()
         if self.units:
             unit = self._unit_of_bucket[bucket]
             unit.ready.add(id(bucket))
             if len(unit.ready) == len(unit.buckets):
                 unit.free()
-        if not self.overlap_grad_reduce:
-            bucket.finish_grad_reduction()
 
     def _queue_end_of_backward(self) -> None:
         if not self._end_of_backward_queued:
