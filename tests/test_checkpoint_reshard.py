@@ -1,5 +1,7 @@
 """A checkpoint saved in one layout resumes in any other: the following losses equal the uninterrupted run."""
 
+import functools
+
 import pytest
 
 import pretrain_gpt
@@ -25,6 +27,12 @@ def train(values: dict, world_size: int) -> list[float]:
     return [h["lm_loss"] for h in pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)]
 
 
+@functools.cache
+def uninterrupted() -> list[float]:
+    """The uninterrupted run on one rank, computed once for all tests here."""
+    return train({}, 1)
+
+
 def first_half(layout: dict, root: str, world_size: int) -> list[float]:
     return train({**layout, "save": root, "exit_interval": 5}, world_size)
 
@@ -45,7 +53,7 @@ def _on_eight_ranks(root: str, single_rank_checkpoint: str) -> dict:
 
 
 def test_reshard_between_tp2_pp2_dp2_tp1_pp4_dp2_and_one_rank_with_distributed_optimizer(tmp_path):
-    reference = train({}, 1)
+    reference = uninterrupted()
     single = first_half({}, f"{tmp_path}/tp1", 1)
     assert single == reference[:5]
     runs = run_on_ranks(8, _on_eight_ranks, str(tmp_path), f"{tmp_path}/tp1")[-1]
@@ -63,7 +71,21 @@ def _zero3_first_half(root: str) -> list[float]:
 
 def test_zero3_dp2_checkpoint_resumes_on_one_rank(tmp_path):
     """Under ZeRO-3 the weights exist only as data-parallel shards; the checkpoint still holds whole tensors."""
-    reference = train({}, 1)
+    reference = uninterrupted()
     first = run_on_ranks(2, _zero3_first_half, str(tmp_path))[-1]
     assert first == pytest.approx(reference[:5], rel=1e-5)
     assert second_half({}, str(tmp_path), 1) == pytest.approx(reference[5:], rel=1e-5)
+
+
+def _interleaved_and_context_parallel_first_halves(root: str) -> dict:
+    return {"vp": first_half({"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1},
+                             f"{root}/vp", 2),
+            "cp": first_half({"context_parallel_size": 2}, f"{root}/cp", 2)}
+
+
+def test_interleaved_pipeline_and_context_parallel_checkpoints_resume_on_one_rank(tmp_path):
+    reference = uninterrupted()
+    firsts = run_on_ranks(2, _interleaved_and_context_parallel_first_halves, str(tmp_path))[-1]
+    for name in ("vp", "cp"):
+        assert firsts[name] == pytest.approx(reference[:5], rel=1e-5), name
+        assert second_half({}, f"{tmp_path}/{name}", 1) == pytest.approx(reference[5:], rel=1e-5), name
