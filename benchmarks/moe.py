@@ -1,0 +1,178 @@
+"""MoE throughput and expert-parallel traffic: mixtral-tiny vs a dense model with the same active parameters.
+
+The dense peer has one SwiGLU MLP of ffn = k x moe-ffn-hidden-size per layer, so a token meets as many
+weights in it as in its k experts (the router's E x h weights aside): the ratio of tokens/s is the price of
+routing, permutation and the per-expert loop. Then, on 2 gloo ranks (DP 2): the MoE model with EP 2 (alltoall
+and allgather dispatchers) and EP 1 (every expert on every rank), and the dense peer; for each, tokens/s
+and the bytes each rank sends to the other per training step through the expert-parallel collectives,
+counted at parallel/mappings.py, next to the expected alltoall volume
+2 (dispatch + combine) x 2 (forward + backward) x L_moe x T k h x 4 bytes x (ep - 1) / ep.
+Full training steps (forward, backward, gradient reduction, AdamW) through training.pretrain, timed from
+the per-iteration metrics after 2 warm-up steps. The configurations run in turn, --rounds times, and each
+figure is the median over all their timed steps, so that a change in the machine's load (recorded too)
+hits every configuration alike. Prints the figures and ratios, and appends them with date, machine and
+command to benchmarks/results/moe.jsonl.
+
+    python -m benchmarks.moe [--steps 4] [--rounds 3] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pretrain_gpt
+from benchmarks.results_file import record_result
+from megatron_lite.config import make_config
+from megatron_lite.parallel import mappings
+from megatron_lite.training import pretrain
+
+WARMUP = 2
+RUN = {"model_preset": "mixtral-tiny", "mock_data": True, "micro_batch_size": 4, "eval_interval": 10_000,
+       "log_interval": 10_000, "lr": 1e-3}
+
+
+def dense_peer(values: dict) -> dict:
+    """The same model with one dense MLP as wide as the k experts a token visits."""
+    m = make_config(values).model
+    return {**values, "num_experts": None, "moe_aux_loss_coeff": 0.0,
+            "ffn_hidden_size": m.moe_router_topk * m.moe_ffn_hidden_size}
+
+
+class TrafficCounter:
+    """Bytes this rank sends to other ranks through the collectives MoE uses (all-to-all with splits,
+    dim-0 all-gather and reduce-scatter), counted by wrapping the plain collectives of parallel/mappings."""
+
+    def __init__(self):
+        self.bytes_sent = 0
+        self._originals = {}
+
+    def __enter__(self):
+        def all_to_all_single(tensor, group, output_splits=None, input_splits=None):
+            if group is not None:
+                rows = tensor.shape[0]
+                splits = input_splits or [rows // dist.get_world_size(group)] * dist.get_world_size(group)
+                remote = rows - splits[dist.get_rank(group)]
+                self.bytes_sent += remote * tensor[:1].numel() * tensor.element_size()
+            return self._originals["all_to_all_single"](tensor, group, output_splits, input_splits)
+
+        def all_gather_dim0(tensor, group):
+            if group is not None:  # this rank's rows go to every other rank
+                self.bytes_sent += (dist.get_world_size(group) - 1) * tensor.numel() * tensor.element_size()
+            return self._originals["all_gather_dim0"](tensor, group)
+
+        def reduce_scatter_dim0(tensor, group):
+            if group is not None:  # every slice but this rank's own goes to its owner
+                size = dist.get_world_size(group)
+                self.bytes_sent += (size - 1) * tensor.numel() // size * tensor.element_size()
+            return self._originals["reduce_scatter_dim0"](tensor, group)
+
+        for fn in (all_to_all_single, all_gather_dim0, reduce_scatter_dim0):
+            self._originals[fn.__name__] = getattr(mappings, fn.__name__)
+            setattr(mappings, fn.__name__, fn)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._originals.items():
+            setattr(mappings, name, fn)
+
+
+def measure(values: dict, world_size: int, steps: int) -> tuple[list[float], float]:
+    """tokens/s of each step after warm-up (on the logging rank; none elsewhere), and the bytes this rank
+    sent per step through the MoE collectives."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "metrics.jsonl")
+        config = make_config({**values, "train_iters": WARMUP + steps, "metrics_jsonl": path}, world_size)
+        with TrafficCounter() as counter:
+            pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+        records = []
+        if os.path.exists(path):  # written by the logging rank
+            with open(path) as f:
+                records = [json.loads(line) for line in f]
+    return [r["tokens_per_sec"] for r in records][WARMUP:], counter.bytes_sent / (WARMUP + steps)
+
+
+def measure_in_rounds(runs: dict, world_size: int, steps: int, rounds: int) -> dict:
+    """Each configuration `rounds` times, interleaved: median tokens/s and bytes sent per step."""
+    speeds, traffic = {name: [] for name in runs}, {}
+    for _ in range(rounds):
+        for name, values in runs.items():
+            step_speeds, traffic[name] = measure(values, world_size, steps)
+            speeds[name] += step_speeds
+    return {name: {"tokens_per_sec": statistics.median(speeds[name]) if speeds[name] else None,
+                   "bytes_sent_per_step": traffic[name]} for name in runs}
+
+
+def _rank_main(rank: int, world_size: int, init_file: str, runs: dict, steps: int, rounds: int,
+               out_file: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    results = measure_in_rounds(runs, world_size, steps, rounds)
+    if rank == world_size - 1:  # the logging rank
+        with open(out_file, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def run_on_two_ranks(runs: dict, steps: int, rounds: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = os.path.join(tmp, "results.json")
+        mp.spawn(_rank_main, args=(2, os.path.join(tmp, "init"), runs, steps, rounds, out_file), nprocs=2)
+        with open(out_file) as f:
+            return json.load(f)
+
+
+def expected_alltoall_bytes(config_values: dict, ep: int) -> float:
+    """Forward and backward, dispatch and combine, of every MoE layer of every micro-batch of a step."""
+    m = make_config(config_values, 2).model
+    moe_layers = len(range(0, m.num_layers, m.moe_layer_freq))
+    tokens = config_values["global_batch_size"] // 2 * m.seq_length  # this rank's tokens per step
+    return 2 * 2 * moe_layers * tokens * m.moe_router_topk * m.hidden_size * 4 * (ep - 1) / ep
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
+    single = {**RUN, "global_batch_size": 8, "device": args.device}
+    one = measure_in_rounds({"mixtral_tiny": single, "dense": dense_peer(single)}, 1, args.steps, args.rounds)
+    one_ratio = one["mixtral_tiny"]["tokens_per_sec"] / one["dense"]["tokens_per_sec"]
+    print(f"1 process   mixtral-tiny {one['mixtral_tiny']['tokens_per_sec']:,.0f} tokens/s | dense peer "
+          f"{one['dense']['tokens_per_sec']:,.0f} tokens/s | ratio MoE / dense {one_ratio:.3f}")
+
+    two = {**RUN, "global_batch_size": 16, "device": "cpu"}
+    runs = {"ep2_alltoall": {**two, "expert_model_parallel_size": 2},
+            "ep2_allgather": {**two, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
+            "ep1": two, "dense": dense_peer(two)}
+    ranks = run_on_two_ranks(runs, args.steps, args.rounds)
+    expected = expected_alltoall_bytes(runs["ep2_alltoall"], 2)
+    for name, figures in ranks.items():
+        figures["ratio_over_dense"] = figures["tokens_per_sec"] / ranks["dense"]["tokens_per_sec"]
+        print(f"2 ranks     {name:>14}: {figures['tokens_per_sec']:,.0f} tokens/s ({figures['ratio_over_dense']:.3f} "
+              f"x dense), {figures['bytes_sent_per_step'] / 2**20:.2f} MiB sent per step per rank by MoE collectives")
+    print(f"expected alltoall volume per step per rank: {expected / 2**20:.2f} MiB")
+    load = [load_before, os.getloadavg()[0]]
+    print(f"load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores")
+    record_result("moe", {
+        "steps": args.steps, "rounds": args.rounds, "device": args.device, "micro_batch_size": RUN["micro_batch_size"],
+        "load_average_before_after": load,
+        "one_process": {"global_batch_size": 8, **one, "ratio_moe_over_dense": one_ratio},
+        "two_ranks": {"global_batch_size": 16, **ranks, "expected_alltoall_bytes_per_step": expected},
+    }, sys.argv)
+
+
+if __name__ == "__main__":
+    main()
