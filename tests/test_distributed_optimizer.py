@@ -256,3 +256,35 @@ def test_sharded_runs_evaluate_and_log_as_no_shard(tmp_path):
             for key in ("lm_loss", "grad_norm", "valid_lm_loss", "loss_scale", "skipped_iter"):
                 if key in expected:
                     assert record[key] == pytest.approx(expected[key], rel=1e-6), (strategy, key)
+
+
+def test_zero3_gathers_one_layer_at_a_time_in_forward_and_backward():
+    config = make_config({**TINY, "num_layers": 3, "data_parallel_sharding_strategy": "optim_grads_params"}, 1)
+    pstate, device = initialize(config)
+    chunk = build_model(config, pstate, pretrain_gpt.model_provider, device)[0]
+    optimizer = build_optimizer(config, [chunk], pstate)
+    layers = list(chunk.module.decoder.layers)
+
+    def gathered() -> set[int]:
+        return {i for i, layer in enumerate(layers) if layer.mlp.linear_fc1.weight.untyped_storage().nbytes() > 0}
+
+    seen = []
+
+    def record(kind: str, index: int) -> None:
+        seen.append((kind, index, gathered()))
+
+    for index, layer in enumerate(layers):  # registered after the wrapper's hooks, so they run after them
+        layer.register_forward_pre_hook(lambda module, args, index=index: record("forward", index))
+        for param in layer.parameters():
+            param.register_post_accumulate_grad_hook(lambda p, index=index: record("backward", index))
+    iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
+    train_step(pretrain_gpt.forward_step, iterator, [chunk], optimizer, config, pstate, 0, device)
+    assert [(kind, index, layers_gathered) for kind, index, layers_gathered in seen if kind == "forward"] == [
+        ("forward", i, {i}) for i in range(3)] * config.num_microbatches
+    backward = [(index, layers_gathered) for kind, index, layers_gathered in seen if kind == "backward"]
+    first_of_each_layer = [record for n, record in enumerate(backward) if n == 0 or backward[n - 1][0] != record[0]]
+    assert first_of_each_layer == [(i, {i}) for i in (2, 1, 0)] * config.num_microbatches
+    assert all(layers_gathered <= {index} for index, layers_gathered in backward)  # freed once complete
+    assert gathered() == set()
+    numel = sum(p.numel() for p in chunk.module.parameters())
+    assert chunk.memory_footprint()["params"] < 4 * numel * 1.01  # the shards only (d = 1: all of it, once)

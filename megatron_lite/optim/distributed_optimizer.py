@@ -44,8 +44,9 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import Config
-from megatron_lite.optim.grad_buffer import DistributedDataParallel, OwnedRange
+from megatron_lite.optim.grad_buffer import DistributedDataParallel
 from megatron_lite.optim.optimizer import Optimizer
+from megatron_lite.optim.param_and_grad_buffer import OwnedRange
 from megatron_lite.parallel.state import ParallelState
 
 
