@@ -14,6 +14,7 @@ The last round sends SIGTERM to one rank under --exit-signal-handler: every rank
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -89,14 +90,25 @@ def check_loadable(root: str) -> int:
     return len(iterations)
 
 
+def saves_in_progress(root: str) -> set[tuple[str, int]]:
+    """Temporary directories of unfinished saves, with their inode (a later save may reuse a name)."""
+    found = set()
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.endswith(".tmp"):
+            with contextlib.suppress(FileNotFoundError):  # committed (renamed) meanwhile
+                found.add((name, os.stat(os.path.join(root, name)).st_ino))
+    return found
+
+
 def kill_round(nproc: int, root: str, log_dir: str, rng: random.Random, async_save: bool) -> dict:
     newest_before = directory.latest_iteration(root) or 0
+    leftovers = saves_in_progress(root)
     ranks = launch(nproc, root, log_dir, ["--async-save"] if async_save else [])
     wait_for_training(ranks)
     time.sleep(rng.uniform(0.0, 1.5))
     victim = rng.randrange(nproc)
     ranks[victim][0].send_signal(signal.SIGKILL)
-    in_save = any(name.endswith(".tmp") for name in os.listdir(root))
+    in_save = bool(saves_in_progress(root) - leftovers)
     time.sleep(0.3)
     for process, _ in ranks:  # the survivors wait in a collective forever: the scheduler kills them
         if process.poll() is None:
