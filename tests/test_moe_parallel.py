@@ -143,3 +143,17 @@ def test_capacity_drops_the_same_tokens_on_every_layout(layout, references, para
     reference = references["capacity"]
     assert all(record["moe_dropped_tokens_layer_0"] > 0 for record in reference["history"])
     _assert_runs_match(f"capacity_{layout}", parallel_runs[f"capacity_{layout}"], reference)
+
+
+def _train_losses(values: dict, world_size: int) -> list[float]:
+    history = pretrain(make_config(values, world_size), pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+    return [record["lm_loss"] for record in history]
+
+
+def test_expert_checkpoint_saved_with_ep4_resumes_on_one_process(tmp_path, references):
+    """Experts are saved under their global names: 2 steps on EP4, the next 2 on one process holding all."""
+    saved = run_on_ranks(4, _train_losses, {**MOE, "expert_model_parallel_size": 4, "exit_interval": 2,
+                                           "save": str(tmp_path)}, 4)[0]
+    resumed = _train_losses({**MOE, "load": str(tmp_path), "exit_interval": 4}, 1)
+    expected = [record["lm_loss"] for record in references["dropless"]["history"][:4]]
+    assert saved + resumed == pytest.approx(expected, rel=1e-5)
