@@ -55,9 +55,12 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     assert saved["optimizer"]["optimizer.step"] == 10
 
 
-def test_bf16_resume_keeps_the_fp32_masters(tmp_path):
-    """bf16 weights with fp32 masters: the masters are saved (optimizer.state.fp32_param) and resumed exactly."""
-    values = {**TINY, "bf16": True, "train_iters": 4, "lr_decay_iters": 4, "eval_interval": 1000}
+@pytest.mark.parametrize("precision", [{"bf16": True},
+                                       {"fp16": True, "initial_loss_scale": 2.0**16, "loss_scale_window": 2}])
+def test_low_precision_resume_keeps_fp32_masters_and_loss_scale(tmp_path, precision):
+    """bf16/fp16 weights with fp32 masters (optimizer.state.fp32_param) and, for fp16, the dynamic loss
+    scaler's state (metadata.json): resumed exactly."""
+    values = {**TINY, **precision, "train_iters": 4, "lr_decay_iters": 4, "eval_interval": 1000}
     straight = train({**values, "save": f"{tmp_path}/straight"})
     first = train({**values, "save": f"{tmp_path}/resumed", "exit_interval": 2})
     second = train({**values, "save": f"{tmp_path}/resumed", "load": f"{tmp_path}/resumed"})
@@ -65,6 +68,11 @@ def test_bf16_resume_keeps_the_fp32_masters(tmp_path):
     assert _same_tensors(f"{tmp_path}/straight/iter_0000004", f"{tmp_path}/resumed/iter_0000004") == []
     masters = read_checkpoint_tensors(f"{tmp_path}/resumed/iter_0000004", "optimizer.state.fp32_param.")
     assert masters and all(t.dtype == torch.float32 for t in masters.values())
+    scalers = [directory.read_metadata(f"{tmp_path}/{run}/iter_0000004")["optimizer"]["optimizer.grad_scaler"]
+               for run in ("straight", "resumed")]
+    assert scalers[0] == scalers[1]
+    if "fp16" in precision:
+        assert scalers[0]["scale"] != 2.0**16  # the scale moved: resuming had state to restore
 
 
 def _resume_on_ranks(values: dict, root: str) -> tuple[list, list, list]:
