@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megatron_lite.config import ConfigError, make_config
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.moe import MoELayer, moe_metrics, moe_mlp_factory
+from megatron_lite.model.moe import MoELayer, moe_metrics, moe_mlp_factory, set_moe_loss_scale
 from megatron_lite.model.moe_router import capacity_keep_mask, expert_capacity
 from megatron_lite.model.sharding import initialize_parameters
 from megatron_lite.parallel.state import Layout, ParallelState
@@ -103,6 +103,20 @@ def test_moe_layer_and_its_losses_match_a_direct_computation(variant):
     if "moe_expert_capacity_factor" in variant:
         assert 0 < metrics["moe_dropped_tokens_layer_0"] < s * b * BASE["moe_router_topk"]
     assert layer.statistics is None  # read and reset; the no-grad forward above recorded nothing
+
+
+def test_moe_loss_gradients_follow_the_fp16_loss_scale():
+    """The schedule multiplies the language-model loss by the loss scale; the MoE losses' gradients too."""
+    torch.manual_seed(0)
+    layer = _layer({})
+    x, upstream = torch.randn(8, 2, BASE["hidden_size"]), torch.randn(8, 2, BASE["hidden_size"])
+    (layer(x) * upstream).sum().backward()
+    unscaled = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    set_moe_loss_scale([layer], 1024.0)
+    ((layer(x) * upstream).sum() * 1024.0).backward()
+    for got, want in zip([p.grad for p in layer.parameters()], unscaled, strict=True):
+        torch.testing.assert_close(got / 1024.0, want, rtol=1e-5, atol=1e-9)
 
 
 def test_capacity_keeps_the_most_probable_tokens_and_breaks_ties_by_position():
