@@ -46,7 +46,7 @@ from megatron_lite.checkpoint.planner import (
 from megatron_lite.checkpoint.rng_state import layout_tag, rng_states, set_rng_states
 from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config import Config
-from megatron_lite.optim.grad_buffer import FlatShard
+from megatron_lite.optim.param_and_grad_buffer import FlatShard
 from megatron_lite.parallel.state import ParallelState
 
 FORMAT = "megatron_lite/dcp/1"
