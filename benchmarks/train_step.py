@@ -18,11 +18,11 @@ import torch
 import transformers
 
 from benchmarks.results_file import record_result
-from megatron_lite import hf_conversion
 from megatron_lite.config import make_config
 from megatron_lite.data.tokenizers import padded_vocab_size
+from megatron_lite.hf import weights
+from megatron_lite.hf.checkpoint import load_into_model
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.sharding import load_global_tensors
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.grad_buffer import DistributedDataParallel
 from megatron_lite.optim.optimizer import Optimizer
@@ -64,9 +64,7 @@ def main() -> None:
     padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
     pstate = ParallelState.single()
     ours = GPTModel(m, pstate, padded_vocab=padded, seed=1, device=device).train()
-    load_global_tensors(ours.named_global_parameters(),
-                        hf_conversion.llama_from_hf({k: v.cpu() for k, v in hf_model.state_dict().items()}, m, padded),
-                        0, 1)
+    load_into_model(ours, weights.to_megatron("llama", {k: v.cpu() for k, v in hf_model.state_dict().items()}, m), 0, 1)
     ddp = DistributedDataParallel(ours, pstate)
     optimizer = Optimizer([p for p in ours.parameters()], config.optimizer, pstate)
     hf_optimizer = torch.optim.AdamW(hf_model.parameters(), lr=config.optimizer.lr, weight_decay=0.01,

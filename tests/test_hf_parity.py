@@ -4,21 +4,21 @@ import pytest
 import torch
 import transformers
 
-from megatron_lite import hf_conversion
 from megatron_lite.config import make_config
 from megatron_lite.data.tokenizers import padded_vocab_size
+from megatron_lite.hf import weights
+from megatron_lite.hf.checkpoint import load_into_model
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.sharding import load_global_tensors
 from megatron_lite.parallel.state import ParallelState
 
 VOCAB, SEQ = 300, 48
 
 
-def our_logits(model_values: dict, hf_model, convert, ids):
+def our_logits(model_values: dict, hf_model, family: str, ids):
     config = make_config({"mock_data": True, "vocab_size": VOCAB, **model_values}).model
     padded = padded_vocab_size(VOCAB, 128, 1)
     model = GPTModel(config, ParallelState.single(), padded_vocab=padded, seed=7).eval()
-    load_global_tensors(model.named_global_parameters(), convert(hf_model.state_dict(), config, padded), 0, 1)
+    load_into_model(model, weights.to_megatron(family, hf_model.state_dict(), config), 0, 1)
     with torch.no_grad():
         return model(ids, torch.arange(ids.shape[1]))[..., :VOCAB]
 
@@ -34,7 +34,7 @@ def test_llama_with_gqa_matches_transformers():
     ours = our_logits({"model_preset": "llama-tiny", "num_layers": 3, "hidden_size": 96, "ffn_hidden_size": 160,
                        "num_attention_heads": 6, "num_query_groups": 2, "seq_length": SEQ,
                        "max_position_embeddings": SEQ, "rotary_base": 50000.0}, hf_model,
-                      hf_conversion.llama_from_hf, ids)
+                      "llama", ids)
     with torch.no_grad():
         reference = hf_model(ids).logits
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
@@ -49,7 +49,7 @@ def test_gpt2_matches_transformers():
     ids = torch.randint(0, VOCAB, (2, SEQ))
     ours = our_logits({"model_preset": "gpt2-124m", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                        "ffn_hidden_size": 256, "seq_length": SEQ, "max_position_embeddings": SEQ}, hf_model,
-                      hf_conversion.gpt2_from_hf, ids)
+                      "gpt2", ids)
     with torch.no_grad():
         reference = hf_model(ids).logits
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)

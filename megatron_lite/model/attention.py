@@ -92,6 +92,16 @@ class CoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [b, nh, s, d] -> [s, b, nh*d]
 
 
+def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of the s newest tokens over all t tokens so far (generation with a KV cache):
+    q [s, b, nh, d], k/v [t, b, ng, d] -> [s, b, nh * d]; query i, at position t - s + i, sees keys 0..t - s + i."""
+    s, b, t = q.shape[0], q.shape[1], k.shape[0]
+    mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(diagonal=t - s)
+    q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, n, s or t, d]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
 class SelfAttention(torch.nn.Module):
     """QKV projection (column-parallel) -> RoPE -> core attention -> output projection (row-parallel)."""
 
@@ -110,7 +120,10 @@ class SelfAttention(torch.nn.Module):
                                              pstate, bias=bias, sequence_parallel=sequence_parallel)
         self.recompute_core_attention = False
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                kv_cache=None) -> torch.Tensor:
+        """`kv_cache` (generation only, see generation.py) holds this layer's keys and values of the tokens
+        before x; x's are appended and x's tokens attend to all of them."""
         qkv = self.linear_qkv(x)  # [s, b, ng/tp * (nh/ng + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
@@ -119,7 +132,10 @@ class SelfAttention(torch.nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, d]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if self.recompute_core_attention and self.training:
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # [s_cached + s, b, ng/tp, d]
+            out = cached_causal_attention(q, k, v)
+        elif self.recompute_core_attention and self.training:
             out = checkpoint(self.core_attention, self.core_attention.rng_tracker, q, k, v)
         else:
             out = self.core_attention(q, k, v)

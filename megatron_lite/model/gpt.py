@@ -129,16 +129,17 @@ class GPTModel(torch.nn.Module):
 
     # ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, inference_params=None) -> torch.Tensor:
         """input_ids, labels [b, s]; position_ids [s]: the positions of this rank's tokens (with context
         parallelism s is the local s/cp, two load-balanced chunks; see get_batch_on_this_cp_rank).
 
         Returns the per-token loss [b, s] on the last stage when labels are given, this rank's vocab
         slice of the logits [b, s, v/tp] when not, and the hidden states [s(/tp), b, h] elsewhere.
+        `inference_params` (generation.InferenceParams) is the KV cache of the tokens before input_ids.
         """
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = self.rotary(position_ids) if self.rotary is not None else None
-        x = self.decoder(x, rotary)
+        x = self.decoder(x, rotary, inference_params)
         if not self.post_process:
             return x
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None

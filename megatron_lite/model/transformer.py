@@ -65,8 +65,9 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = mlp if mlp is not None else MLP(config, pstate, sequence_parallel=sequence_parallel)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary))
+    def forward(self, x: torch.Tensor, rotary, inference_params=None) -> torch.Tensor:
+        kv_cache = inference_params.layer_cache(self.layer_number) if inference_params is not None else None
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary, kv_cache))
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
@@ -87,10 +88,10 @@ class TransformerBlock(torch.nn.Module):
             for layer in layers:
                 layer.self_attention.recompute_core_attention = True
 
-    def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary, inference_params=None) -> torch.Tensor:
         for index, layer in enumerate(self.layers):
             if self.training and index < self.recompute_full_layers:
                 x = checkpoint(layer, self.rng_tracker, x, rotary)
             else:
-                x = layer(x, rotary)
+                x = layer(x, rotary, inference_params)
         return self.final_layernorm(x) if self.final_layernorm is not None else x

@@ -1,0 +1,9 @@
+"""Hugging Face interchange: config mapping, weight mapping, safetensors files and model-only checkpoints.
+
+    configs.py           config.json <-> megatron_lite model flags, for the llama, gpt2 and mixtral families
+    weights.py           HF tensors <-> global megatron_lite tensors (fused QKV per query group, [gate; up])
+    safetensors_files.py reading and writing (sharded) safetensors and carrying tokenizer files
+    checkpoint.py        the megatron_lite side: an ordinary checkpoint holding model weights only
+
+tools/convert_checkpoint.py drives these; tools/generate.py loads what they write.
+"""

@@ -1,0 +1,176 @@
+"""Hugging Face config.json <-> megatron_lite model flags, for the llama, gpt2 and mixtral families.
+
+A config.json becomes the values of pretrain_gpt.py's model flags (ModelConfig field names); a ModelConfig
+becomes a config.json that `transformers.AutoModelForCausalLM.from_pretrained` reads. Variants our model
+cannot reproduce exactly (RoPE scaling, attention or MLP biases in Llama, sliding windows, GPT-2's
+per-layer attention scaling) are refused with one line rather than converted into a different network.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.config import ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "mixtral")
+
+
+class ConversionError(ValueError):
+    """A checkpoint cannot be converted as asked; the message is one line saying what is wrong."""
+
+
+def family_of_hf(hf: dict) -> str:
+    """The family of a config.json (its model_type), or a ConversionError listing those supported."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConversionError(f"unsupported model_type {model_type!r} in config.json; supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return model_type
+
+
+def _get(hf: dict, key: str):
+    if hf.get(key) is None:
+        raise ConversionError(f"config.json has no '{key}' (model_type {hf.get('model_type')})")
+    return hf[key]
+
+
+def _refuse(condition: bool, what: str) -> None:
+    if condition:
+        raise ConversionError(f"{what} is not supported by megatron_lite; this checkpoint cannot be converted exactly")
+
+
+def _rope_theta(hf: dict) -> float:
+    """rope_theta from transformers 5's `rope_parameters` or the older top-level key; only plain RoPE."""
+    parameters = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    rope_type = parameters.get("rope_type", "default")
+    _refuse(bool(scaling) or rope_type != "default", f"RoPE scaling ({scaling or rope_type})")
+    return float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _llama_values(hf: dict) -> dict:
+    hidden, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
+    head_dim = hf.get("head_dim") or hidden // heads
+    _refuse(head_dim * heads != hidden, f"head_dim ({head_dim}) x num_attention_heads ({heads}) != hidden_size "
+                                        f"({hidden})")
+    _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
+    _refuse(bool(hf.get("attention_bias") or hf.get("mlp_bias")), "a Llama with attention or MLP biases")
+    positions = _get(hf, "max_position_embeddings")
+    return {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+            "disable_bias_linear": True, "group_query_attention": True,
+            "num_layers": _get(hf, "num_hidden_layers"), "hidden_size": hidden,
+            "ffn_hidden_size": _get(hf, "intermediate_size"), "num_attention_heads": heads,
+            "num_query_groups": hf.get("num_key_value_heads") or heads, "seq_length": positions,
+            "max_position_embeddings": positions, "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+            "rotary_base": _rope_theta(hf), "vocab_size": _get(hf, "vocab_size"),
+            "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
+            "init_method_std": float(hf.get("initializer_range", 0.02)), "hidden_dropout": 0.0,
+            "attention_dropout": float(hf.get("attention_dropout", 0.0))}
+
+
+def _mixtral_values(hf: dict) -> dict:
+    window = hf.get("sliding_window")
+    _refuse(window is not None and window < _get(hf, "max_position_embeddings"), f"sliding-window attention ({window})")
+    return {**_llama_values(hf), "num_experts": _get(hf, "num_local_experts"),
+            "moe_router_topk": _get(hf, "num_experts_per_tok"), "moe_ffn_hidden_size": _get(hf, "intermediate_size"),
+            "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
+
+
+_GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}  # -> openai_gelu
+
+
+def _gpt2_values(hf: dict) -> dict:
+    activation = hf.get("activation_function", "gelu_new")
+    _refuse(activation not in _GPT2_ACTIVATIONS, f"activation_function {activation!r}")
+    _refuse(bool(hf.get("scale_attn_by_inverse_layer_idx")), "scale_attn_by_inverse_layer_idx")
+    _refuse(not hf.get("scale_attn_weights", True), "scale_attn_weights=false")
+    _refuse(bool(hf.get("add_cross_attention")), "cross-attention")
+    hidden, positions = _get(hf, "n_embd"), _get(hf, "n_positions")
+    return {"normalization": "LayerNorm", "swiglu": False, "position_embedding_type": "learned_absolute",
+            "openai_gelu": _GPT2_ACTIVATIONS[activation], "disable_bias_linear": False,
+            "num_layers": _get(hf, "n_layer"), "hidden_size": hidden,
+            "ffn_hidden_size": hf.get("n_inner") or 4 * hidden,
+            "num_attention_heads": _get(hf, "n_head"), "seq_length": positions, "max_position_embeddings": positions,
+            "norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)), "vocab_size": _get(hf, "vocab_size"),
+            "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", True),
+            "init_method_std": float(hf.get("initializer_range", 0.02)),
+            "hidden_dropout": float(hf.get("resid_pdrop", 0.1)), "attention_dropout": float(hf.get("attn_pdrop", 0.1))}
+
+
+_FROM_HF = {"llama": _llama_values, "gpt2": _gpt2_values, "mixtral": _mixtral_values}
+
+
+def model_values_from_hf(hf: dict) -> dict:
+    """config.json -> values of pretrain_gpt.py's model flags (ModelConfig field names)."""
+    return _FROM_HF[family_of_hf(hf)](hf)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# megatron_lite -> config.json
+
+
+def family_of_model(m: ModelConfig) -> str:
+    """Which Hugging Face family has exactly this network, or a ConversionError saying why none does."""
+    llama_like = (m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope"
+                  and m.disable_bias_linear)
+    gpt2_like = (m.normalization == "LayerNorm" and not m.swiglu and m.position_embedding_type == "learned_absolute"
+                 and not m.disable_bias_linear and m.num_query_groups == m.num_attention_heads)
+    if m.num_experts and llama_like and m.moe_layer_freq == 1 and not m.moe_router_pre_softmax:
+        return "mixtral"
+    if not m.num_experts and llama_like:
+        return "llama"
+    if not m.num_experts and gpt2_like:
+        return "gpt2"
+    raise ConversionError(
+        f"no Hugging Face model type has this network (normalization={m.normalization}, swiglu={m.swiglu}, "
+        f"position-embedding-type={m.position_embedding_type}, disable-bias-linear={m.disable_bias_linear}, "
+        f"num-experts={m.num_experts}, moe-layer-freq={m.moe_layer_freq}, moe-router-pre-softmax="
+        f"{m.moe_router_pre_softmax}); supported: llama (RMSNorm, SwiGLU, RoPE, no biases), gpt2 (LayerNorm, GELU, "
+        f"learned positions, biases, no GQA), mixtral (llama with experts in every layer, softmax after top-k)")
+
+
+def _llama_config(m: ModelConfig) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_query_groups,
+            "head_dim": m.head_dim, "hidden_act": "silu", "max_position_embeddings": m.max_position_embeddings,
+            "rms_norm_eps": m.norm_epsilon, "rope_theta": m.rotary_base,
+            "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}, "rope_scaling": None,
+            "tie_word_embeddings": not m.untie_embeddings_and_output_weights, "attention_bias": False,
+            "mlp_bias": False, "attention_dropout": m.attention_dropout, "initializer_range": m.init_method_std}
+
+
+def _mixtral_config(m: ModelConfig) -> dict:
+    config = _llama_config(m)
+    for key in ("attention_bias", "mlp_bias", "head_dim"):  # MixtralConfig derives head_dim from the hidden size
+        del config[key]
+    return {**config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": m.moe_ffn_hidden_size, "num_local_experts": m.num_experts,
+            "num_experts_per_tok": m.moe_router_topk, "router_aux_loss_coef": m.moe_aux_loss_coeff,
+            "sliding_window": None}
+
+
+def _gpt2_config(m: ModelConfig) -> dict:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
+            "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
+            "n_inner": None if m.ffn_hidden_size == 4 * m.hidden_size else m.ffn_hidden_size,
+            "n_positions": m.max_position_embeddings,
+            "layer_norm_epsilon": m.norm_epsilon, "activation_function": "gelu_new" if m.openai_gelu else "gelu",
+            "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
+            "tie_word_embeddings": not m.untie_embeddings_and_output_weights, "initializer_range": m.init_method_std,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False}
+
+
+_TO_HF = {"llama": _llama_config, "gpt2": _gpt2_config, "mixtral": _mixtral_config}
+
+
+def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
+    """config.json for model `m` whose weights are stored in `dtype`. `base` (the config.json a converted
+    checkpoint came from) keeps what the network does not decide, such as bos/eos token ids."""
+    family = family_of_model(m)
+    config = dict(base) if base and base.get("model_type") == family else {}
+    config.update(_TO_HF[family](m))
+    dtype_name = str(dtype).removeprefix("torch.")
+    config["dtype"] = dtype_name  # transformers 5; older versions read torch_dtype
+    config["torch_dtype"] = dtype_name
+    return config

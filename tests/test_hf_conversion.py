@@ -1,0 +1,334 @@
+"""tools/convert_checkpoint.py for llama (GQA untied, and tied with one KV head), gpt2 and mixtral built by
+transformers from configs: our logits equal transformers' in one process and at TP2 x PP2 through the training
+load path; exported checkpoints load in transformers with our logits; HF -> ours -> HF is tensor-identical;
+bad input fails with one line."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import pretrain_gpt
+from megatron_lite.checkpoint.checkpointing import Checkpointer, read_checkpoint_tensors
+from megatron_lite.config import make_config
+from megatron_lite.data.mock import MockGPTDataset
+from megatron_lite.generation import load_model
+from megatron_lite.hf.checkpoint import resolve_checkpoint
+from megatron_lite.model.gpt import gather_vocab_logits
+from megatron_lite.training import build_model, get_schedule, initialize, pretrain
+from tests.harness import run_on_ranks
+from tools import convert_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+VOCAB, SEQ = 300, 32
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAMILIES = ["llama", "llama_tied", "gpt2", "mixtral"]
+
+
+def hf_config(family: str):
+    """A small random configuration of `family`. transformers is imported here, not at the top: the spawned
+    ranks import this module for `_tp2_pp2` and need none of it."""
+    import transformers
+
+    common = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": VOCAB - 1}
+    llama = {"hidden_size": 64, "num_hidden_layers": 2, "max_position_embeddings": 64, **common}
+    return {
+        "llama": lambda: transformers.LlamaConfig(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                                  rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                                  **llama),
+        "llama_tied": lambda: transformers.LlamaConfig(intermediate_size=128, num_attention_heads=8,
+                                                       num_key_value_heads=2, tie_word_embeddings=True, **llama),
+        "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                                embd_pdrop=0.0, attn_pdrop=0.0, **common),
+        "mixtral": lambda: transformers.MixtralConfig(intermediate_size=64, num_attention_heads=4,
+                                                      num_key_value_heads=2, num_local_experts=4,
+                                                      num_experts_per_tok=2, **llama),
+    }[family]()
+
+
+def word_level_tokenizer() -> Tokenizer:
+    """A tokenizer.json whose token i is "w<i>" (the last one the end of text), so prompts are readable."""
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"</s>": VOCAB - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer
+
+
+def read_text(path) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def read_json(path) -> dict:
+    return json.loads(read_text(path))
+
+
+def edit_json(path, change) -> None:
+    content = read_json(path)
+    change(content)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(content, f)
+
+
+def convert(*argv: str) -> None:
+    convert_checkpoint.main(list(argv))
+
+
+def hf_models(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """{family: (HF directory, converted megatron_lite directory)}, built once per test session (the llama
+    directory also carries a tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.getbasetemp() / "hf_models"
+    dirs = {family: (str(root / family / "hf"), str(root / family / "mlite")) for family in FAMILIES}
+    if not (root / "done").exists():
+        for index, (family, (hf_dir, mlite_dir)) in enumerate(dirs.items()):
+            torch.manual_seed(index)
+            model = AutoModelForCausalLM.from_config(hf_config(family))
+            model.save_pretrained(hf_dir)
+            if family == "llama":
+                word_level_tokenizer().save(os.path.join(hf_dir, "tokenizer.json"))
+            convert("--direction", "hf-to-mlite", "--load-dir", hf_dir, "--save-dir", mlite_dir)
+        (root / "done").touch()
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return hf_models(tmp_path_factory)
+
+
+def hf_logits(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def our_logits(mlite_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    model, config = load_model(resolve_checkpoint(mlite_dir))
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]))[..., :config.model.vocab_size]
+
+
+def one_line_error(*argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        convert(*argv)
+    message = str(exit_.value.code)
+    assert message.startswith("convert_checkpoint.py: error: ") and "\n" not in message, message
+    return message
+
+
+# -------------------------------------------------------------------------------------------------------
+# Parity
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_model_logits_equal_transformers(converted, family):
+    hf_dir, mlite_dir = converted[family]
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(our_logits(mlite_dir, ids), hf_logits(hf_dir, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_converted_checkpoint_carries_tokenizer_and_model_flags(converted):
+    hf_dir, mlite_dir = converted["llama"]
+    assert read_text(os.path.join(mlite_dir, "tokenizer.json")) == read_text(os.path.join(hf_dir, "tokenizer.json"))
+    flags = yaml.safe_load(read_text(os.path.join(mlite_dir, "model.yaml")))
+    assert flags["num_query_groups"] == 2 and flags["rotary_base"] == 50000.0 and flags["ffn_hidden_size"] == 96
+    assert flags["tokenizer_type"] == "HuggingFaceTokenizer" and flags["tokenizer_model"] == os.path.abspath(mlite_dir)
+    saved = read_json(os.path.join(resolve_checkpoint(mlite_dir), "metadata.json"))
+    assert saved["iteration"] == 0 and saved["hf"]["model_type"] == "llama"
+    keys = read_checkpoint_tensors(resolve_checkpoint(mlite_dir)).keys()
+    assert not any(key.startswith(("optimizer.", "rng_state.")) for key in keys)
+
+
+def _forward_logits(config, model, pstate, ids: torch.Tensor):
+    """Logits [b, s, vocab] of `ids` through the pipeline schedule (forward only); None off the last stage."""
+    positions = torch.arange(ids.shape[1])
+
+    def forward_step(data_iterator, chunk):
+        def loss_func(logits):
+            return torch.zeros(()), torch.ones(()), {"logits": gather_vocab_logits(logits, pstate, VOCAB)}
+        return chunk(ids, positions), loss_func
+
+    with torch.no_grad():
+        reports, _ = get_schedule(config)(forward_step, None, model, 1, pstate=pstate, config=config,
+                                          forward_only=True)
+    return reports[0]["logits"] if reports else None
+
+
+def _tp2_pp2(cases: dict, ids: torch.Tensor) -> dict:
+    """For each converted checkpoint: logits after loading it at TP2 x PP2 (Checkpointer, as --load does), and
+    the first loss of `pretrain_gpt.py --load DIR --finetune` at TP2 x PP2 on mock data."""
+    results = {}
+    for family, (mlite_dir, flags) in cases.items():
+        config = make_config({**flags, "mock_data": True, "seq_length": SEQ, "tensor_model_parallel_size": 2,
+                              "pipeline_model_parallel_size": 2, "load": mlite_dir, "finetune": True,
+                              "micro_batch_size": 2, "global_batch_size": 2, "train_iters": 1, "eval_interval": 1000,
+                              "log_interval": 1000, "lr": 1e-3, "device": "cpu"}, 4)
+        pstate, device = initialize(config)
+        model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+        Checkpointer(config, pstate, device).load_checkpoint(model, None)
+        for chunk in model:
+            chunk.eval()
+        logits = _forward_logits(config, model, pstate, ids)
+        history = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+        results[family] = (logits, history[0]["lm_loss"])
+    return results
+
+
+def test_converted_checkpoints_load_at_tp2_pp2_with_transformers_logits_and_loss(converted):
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    cases = {}
+    for family, (_, mlite_dir) in converted.items():
+        flags = yaml.safe_load(read_text(os.path.join(mlite_dir, "model.yaml")))
+        cases[family] = (mlite_dir, {k: v for k, v in flags.items() if not k.startswith("tokenizer_")})  # mock data
+    last_stage = run_on_ranks(4, _tp2_pp2, cases, ids)[-1]
+    dataset = MockGPTDataset(2, SEQ, VOCAB, 1234)
+    samples = torch.stack([torch.as_tensor(dataset[i]) for i in range(2)])  # the first global batch
+    for family, (hf_dir, _) in converted.items():
+        logits, first_loss = last_stage[family]
+        torch.testing.assert_close(logits, hf_logits(hf_dir, ids), rtol=1e-4, atol=1e-4, msg=family)
+        reference = torch.nn.functional.cross_entropy(hf_logits(hf_dir, samples[:, :-1]).reshape(-1, VOCAB),
+                                                      samples[:, 1:].reshape(-1))
+        assert first_loss == pytest.approx(reference.item(), rel=1e-5), family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_to_mlite_to_hf_is_tensor_identical(converted, family, tmp_path):
+    hf_dir, mlite_dir = converted[family]
+    convert("--direction", "mlite-to-hf", "--load-dir", mlite_dir, "--save-dir", str(tmp_path / "back"))
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    back = load_file(tmp_path / "back/model.safetensors")
+    assert sorted(original) == sorted(back)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    before, after = read_json(os.path.join(hf_dir, "config.json")), read_json(tmp_path / "back/config.json")
+    assert {k: v for k, v in after.items() if k in before and k != "dtype"} == \
+           {k: v for k, v in before.items() if k in after and k != "dtype"}
+    assert os.path.exists(tmp_path / "back/generation_config.json")
+
+
+def test_sharded_export_loads_in_transformers_and_converts_back(converted, tmp_path):
+    hf_dir, mlite_dir = converted["llama"]
+    convert("--direction", "mlite-to-hf", "--load-dir", mlite_dir, "--save-dir", str(tmp_path / "hf"),
+            "--max-shard-size", "100KB")
+    index = read_json(tmp_path / "hf/model.safetensors.index.json")
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and all(os.path.getsize(tmp_path / "hf" / f) < 100_000 + 64 * 300 * 4 for f in files)
+    assert os.path.exists(tmp_path / "hf/tokenizer.json")
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(hf_logits(str(tmp_path / "hf"), ids), hf_logits(hf_dir, ids), rtol=0, atol=0)
+    convert("--direction", "hf-to-mlite", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "again"))
+    first = read_checkpoint_tensors(resolve_checkpoint(mlite_dir))
+    again = read_checkpoint_tensors(resolve_checkpoint(str(tmp_path / "again")))
+    assert sorted(first) == sorted(again) and all(torch.equal(first[k], again[k]) for k in first)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Checkpoints trained here -> transformers
+
+OURS = {
+    "llama": {"model_preset": "llama-tiny", "untie_embeddings_and_output_weights": False, "ffn_hidden_size": 128},
+    "gpt2": {"model_preset": "gpt2-124m", "ffn_hidden_size": 256, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "mixtral": {"model_preset": "mixtral-tiny", "ffn_hidden_size": 64, "num_experts": 4},
+}
+
+
+@pytest.mark.parametrize("family", list(OURS))
+def test_trained_checkpoint_exports_to_transformers_with_our_logits(family, tmp_path):
+    config = make_config({**OURS[family], "mock_data": True, "vocab_size": VOCAB, "num_layers": 2, "hidden_size": 64,
+                          "num_attention_heads": 4, "num_query_groups": 2, "seq_length": SEQ,
+                          "max_position_embeddings": SEQ, "train_iters": 2, "global_batch_size": 2, "lr": 1e-2,
+                          "save": str(tmp_path / "run"), "log_interval": 1000, "eval_interval": 1000, "device": "cpu"})
+    pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+    convert("--direction", "mlite-to-hf", "--load-dir", str(tmp_path / "run"), "--save-dir", str(tmp_path / "hf"))
+    exported = read_json(tmp_path / "hf/config.json")
+    assert exported["model_type"] == family
+    if family == "llama":  # tied embeddings: no lm_head, as save_pretrained writes them
+        assert exported["tie_word_embeddings"] and "lm_head.weight" not in load_file(tmp_path / "hf/model.safetensors")
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(hf_logits(str(tmp_path / "hf"), ids), our_logits(str(tmp_path / "run"), ids),
+                               rtol=1e-4, atol=1e-4)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def _copy_hf(converted, tmp_path, family="llama", **config_changes) -> str:
+    target = str(tmp_path / "edited")
+    shutil.copytree(converted[family][0], target)
+    edit_json(os.path.join(target, "config.json"), lambda config: config.update(config_changes))
+    return target
+
+
+def _copy_mlite(converted, tmp_path, **model_changes) -> str:
+    """The converted llama checkpoint with its saved model configuration changed."""
+    target = str(tmp_path / "mlite")
+    shutil.copytree(converted["llama"][1], target)
+    edit_json(os.path.join(resolve_checkpoint(target), "metadata.json"),
+              lambda saved: saved["config"]["model"].update(model_changes))
+    return target
+
+
+def test_unknown_architecture_is_one_line_listing_supported_types(converted, tmp_path):
+    source = _copy_hf(converted, tmp_path, model_type="bert")
+    message = one_line_error("--direction", "hf-to-mlite", "--load-dir", source, "--save-dir", str(tmp_path / "out"))
+    assert "unsupported model_type 'bert'" in message and "llama, gpt2, mixtral" in message
+    result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--direction", "hf-to-mlite", "--load-dir",
+                             source, "--save-dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and result.stderr.strip() == message, result.stderr
+
+
+def test_missing_weights_file_is_one_line(converted, tmp_path):
+    source = _copy_hf(converted, tmp_path)
+    os.remove(os.path.join(source, "model.safetensors"))
+    message = one_line_error("--direction", "hf-to-mlite", "--load-dir", source, "--save-dir", str(tmp_path / "out"))
+    assert "no weights file" in message and "model.safetensors" in message
+    convert("--direction", "mlite-to-hf", "--load-dir", converted["gpt2"][1], "--save-dir", str(tmp_path / "sharded"),
+            "--max-shard-size", "100KB")
+    shard = sorted(set(read_json(tmp_path / "sharded/model.safetensors.index.json")["weight_map"].values()))[1]
+    os.remove(tmp_path / "sharded" / shard)
+    message = one_line_error("--direction", "hf-to-mlite", "--load-dir", str(tmp_path / "sharded"), "--save-dir",
+                             str(tmp_path / "out"))
+    assert shard in message and "missing" in message
+    message = one_line_error("--direction", "hf-to-mlite", "--load-dir", str(tmp_path / "nowhere"), "--save-dir",
+                             str(tmp_path / "out"))
+    assert "not a local directory" in message
+
+
+def test_mismatched_shapes_are_one_line(converted, tmp_path):
+    source = _copy_hf(converted, tmp_path, intermediate_size=128)
+    message = one_line_error("--direction", "hf-to-mlite", "--load-dir", source, "--save-dir", str(tmp_path / "out"))
+    assert "'model.layers.0.mlp.gate_proj.weight' has shape (96, 64) but the configuration implies (128, 64)" in message
+    exported = _copy_mlite(converted, tmp_path, num_query_groups=4)
+    message = one_line_error("--direction", "mlite-to-hf", "--load-dir", exported, "--save-dir", str(tmp_path / "hf"))
+    assert "'decoder.layers.0.self_attention.linear_qkv.weight' has shape (128, 64) but the configuration implies " \
+           "(192, 64)" in message
+
+
+def test_unsupported_variants_and_targets_are_one_line(converted, tmp_path):
+    source = _copy_hf(converted, tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    assert "RoPE scaling" in one_line_error("--direction", "hf-to-mlite", "--load-dir", source, "--save-dir",
+                                            str(tmp_path / "out"))
+    message = one_line_error("--direction", "hf-to-mlite", "--load-dir", converted["llama"][0], "--save-dir",
+                             str(tmp_path / "out"), "--target-tensor-parallel-size", "3")
+    assert "TP3 x PP1" in message and "num-attention-heads (4) must be divisible by tensor-model-parallel-size (3)" \
+        in message
+    message = one_line_error("--direction", "hf-to-mlite", "--load-dir", converted["llama"][0], "--save-dir",
+                             converted["gpt2"][1])
+    assert "is not empty" in message
+    exported = _copy_mlite(converted, tmp_path, normalization="LayerNorm")
+    message = one_line_error("--direction", "mlite-to-hf", "--load-dir", exported, "--save-dir", str(tmp_path / "hf"))
+    assert "no Hugging Face model type has this network" in message

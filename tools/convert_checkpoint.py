@@ -1,0 +1,169 @@
+"""Convert checkpoints between Hugging Face (llama, gpt2, mixtral) and megatron_lite, both ways.
+
+    python tools/convert_checkpoint.py --direction hf-to-mlite --load-dir hf/Llama-3.2-1B --save-dir ckpt/llama
+    python tools/convert_checkpoint.py --direction mlite-to-hf --load-dir checkpoints/run1 --save-dir hf/run1
+
+hf-to-mlite reads a local model directory (config.json, model.safetensors or a sharded index; nothing is
+downloaded) and writes an ordinary checkpoint holding the model weights only, which any layout loads:
+  torchrun --nproc-per-node 4 pretrain_gpt.py --config ckpt/llama/model.yaml --load ckpt/llama --finetune \\
+      --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 ...
+Beside it go model.yaml (the model flags) and the tokenizer files, which --tokenizer-model can point at.
+--target-tensor/pipeline-model-parallel-size check that the model splits over that layout and record it;
+the files are the same for every layout.
+
+mlite-to-hf reads the newest (or --iteration) checkpoint of a run, drops the vocabulary padding and the
+optimizer state, and writes config.json + safetensors (sharded above --max-shard-size, with
+model.safetensors.index.json) that transformers.AutoModelForCausalLM.from_pretrained loads, with the
+tokenizer files of the checkpoint (or of the run's --tokenizer-model) when there are any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import yaml  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from megatron_lite.checkpoint.planner import CheckpointError  # noqa: E402
+from megatron_lite.config import ConfigError, make_config  # noqa: E402
+from megatron_lite.hf import configs, safetensors_files, weights  # noqa: E402
+from megatron_lite.hf.checkpoint import (  # noqa: E402
+    config_from_metadata,
+    model_flags,
+    read_model_checkpoint,
+    resolve_checkpoint,
+    write_model_checkpoint,
+)
+from megatron_lite.hf.configs import ConversionError  # noqa: E402
+
+
+def _layer_progress(description: str):
+    return lambda layers: tqdm(layers, desc=description, unit="layer", file=sys.stderr)
+
+
+def _empty_target(path: str) -> None:
+    if os.path.isdir(path) and os.listdir(path):
+        raise ConversionError(f"--save-dir {path} is not empty; choose a new directory")
+    os.makedirs(path, exist_ok=True)
+
+
+def hf_to_mlite(args) -> str:
+    hf_config = safetensors_files.read_hf_config(args.load_dir)
+    family = configs.family_of_hf(hf_config)
+    values = configs.model_values_from_hf(hf_config)
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    try:
+        config = make_config({**values, "mock_data": True, "tensor_model_parallel_size": tp,
+                              "pipeline_model_parallel_size": pp}, tp * pp)
+    except ConfigError as error:
+        raise ConversionError(f"the model does not fit TP{tp} x PP{pp}: {error}") from None
+    config.data.mock_data = False
+    hf = safetensors_files.HFWeights(args.load_dir)
+    hf.names = weights.normalize_hf_names(family, [n for n in hf.names if weights.is_weight(n)])
+    if not config.model.untie_embeddings_and_output_weights:
+        hf.names.pop("lm_head.weight", None)  # a tied copy some files carry; transformers ignores it too
+    problems = weights.shape_problems(hf.shapes(), weights.hf_shapes(family, config.model), args.load_dir)
+    if problems:
+        raise ConversionError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    _empty_target(args.save_dir)
+    copied = safetensors_files.copy_carried_files(args.load_dir, args.save_dir)
+    if "tokenizer.json" in copied or "tokenizer.model" in copied:
+        config.data.tokenizer_type = ("HuggingFaceTokenizer" if "tokenizer.json" in copied
+                                      else "SentencePieceTokenizer")
+        config.data.tokenizer_model = os.path.abspath(args.save_dir)
+        if config.data.tokenizer_type == "SentencePieceTokenizer":
+            config.data.tokenizer_model = os.path.join(config.data.tokenizer_model, "tokenizer.model")
+    tensors = weights.to_megatron(family, hf, config.model, _layer_progress(f"converting {family}"))
+    print(f" writing {len(tensors)} tensors to {args.save_dir}", file=sys.stderr, flush=True)
+    path = write_model_checkpoint(args.save_dir, tensors, config, {"hf": {"model_type": family, "config": hf_config,
+                                                                          "source": os.path.abspath(args.load_dir)}})
+    flags = model_flags(config.model)
+    if config.data.tokenizer_model:
+        flags.update(tokenizer_type=config.data.tokenizer_type, tokenizer_model=config.data.tokenizer_model)
+    with open(os.path.join(args.save_dir, "model.yaml"), "w", encoding="utf-8") as f:
+        yaml.safe_dump(flags, f, sort_keys=False)
+    extras = f"; carried {', '.join(copied)}" if copied else ""
+    print(f"converted {family} ({sum(t.numel() for t in tensors.values()):,} parameters) to {path}{extras}\n"
+          f"train from it: pretrain_gpt.py --config {os.path.join(args.save_dir, 'model.yaml')} --load "
+          f"{args.save_dir} --finetune --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} ...")
+    return path
+
+
+def _tokenizer_folders(path: str, config) -> list[str]:
+    """Where a checkpoint's tokenizer files may be: its own directory (a converted model), then the folder
+    of the run's --tokenizer-model."""
+    folders = [os.path.dirname(os.path.abspath(path))]
+    model = config.data.tokenizer_model
+    if config.data.tokenizer_type == "HuggingFaceTokenizer" and model:
+        folders.append(model if os.path.isdir(model) else os.path.dirname(model))
+    return folders
+
+
+def mlite_to_hf(args) -> str:
+    path = resolve_checkpoint(args.load_dir, args.iteration)
+    saved, tensors = read_model_checkpoint(path)
+    config = config_from_metadata(saved)
+    m = config.model
+    family = configs.family_of_model(m)
+    problems = weights.shape_problems({k: tuple(t.shape) for k, t in tensors.items()},
+                                      weights.megatron_shapes(family, m), path)
+    if problems:
+        raise ConversionError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    hf = weights.to_hf(family, tensors, m, _layer_progress(f"converting to {family}"))
+    dtype = next(iter(hf.values())).dtype
+    base = saved.get("hf", {}).get("config")
+    _empty_target(args.save_dir)
+    files = safetensors_files.write_hf_weights(
+        args.save_dir, hf, safetensors_files.parse_size(args.max_shard_size),
+        lambda shards: tqdm(shards, desc="writing safetensors", unit="file", file=sys.stderr))
+    safetensors_files.write_hf_config(args.save_dir, configs.hf_config_from_model(m, dtype, base))
+    copied = []
+    for folder in _tokenizer_folders(path, config):
+        copied += safetensors_files.copy_carried_files(folder, args.save_dir)
+    tokenizer_model = config.data.tokenizer_model
+    if (config.data.tokenizer_type == "SentencePieceTokenizer" and tokenizer_model
+            and os.path.isfile(tokenizer_model) and "tokenizer.model" not in copied):
+        shutil.copy2(tokenizer_model, os.path.join(args.save_dir, "tokenizer.model"))
+        copied.append("tokenizer.model")
+    extras = f"; carried {', '.join(copied)}" if copied else ""
+    print(f"exported {path} as {family} to {args.save_dir} ({', '.join(files)}){extras}")
+    return args.save_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--direction", required=True, choices=["hf-to-mlite", "mlite-to-hf"])
+    parser.add_argument("--load-dir", required=True, help="HF model directory, or megatron_lite checkpoint "
+                                                          "directory (a --save dir or one iter_XXXXXXX in it)")
+    parser.add_argument("--save-dir", required=True, help="new (or empty) directory to write")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=1,
+                        help="hf-to-mlite: check the model splits over this TP size (any layout can load it)")
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=1,
+                        help="hf-to-mlite: check the layers split over this many pipeline stages")
+    parser.add_argument("--iteration", type=int, help="mlite-to-hf: which iteration (default: the newest)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="mlite-to-hf: safetensors files up to this size, e.g. 5GB, 500MB (default 5GB)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        (hf_to_mlite if args.direction == "hf-to-mlite" else mlite_to_hf)(args)
+    except (ConversionError, CheckpointError) as error:
+        sys.exit(f"convert_checkpoint.py: error: {error}")
+    print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
