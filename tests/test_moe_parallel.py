@@ -43,7 +43,7 @@ LAYOUTS = {  # name: flags on top of MOE, on 4 ranks
                             "recompute_granularity": "full"},
 }
 SHARDED_GRADS = {"ep2_zero2_recompute"}  # gradients live as data-parallel shards: losses only
-CAPACITY_LAYOUTS = ("ep4", "ep2_tp2_sp", "ep2_pp2", "ep2_allgather")
+CAPACITY_LAYOUTS = ("ep4", "ep2_tp2_sp", "ep2_pp2", "ep2_allgather", "ep4_cp2")
 
 _BUILT: list = []
 

@@ -19,8 +19,8 @@ slice of the experts, and the combined per-token output, a partial sum over TP, 
 one all-reduce (reduce-scatter with SP). That is the dense MLP's communication, on T h values rather
 than on the T k h expert outputs that Megatron reduce-scatters before its reverse all-to-all.
 
-Experts have no biases (as Megatron's grouped experts); local experts are computed in a loop, which on
-the CPU is as fast as a grouped GEMM would be.
+Experts have no biases (as Megatron's grouped experts); the local experts run one after the other (a
+grouped GEMM would batch them on GPUs; not used here).
 
 Statistics (aux loss, z-loss, tokens per expert, dropped token copies) accumulate in each layer during
 backward and are read, summed over ranks and reset by `moe_metrics` once per log interval.
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.model.mlp import activation
-from megatron_lite.model.moe_router import MoEAuxLossAutoScaler, TopKRouter, capacity_keep_mask
+from megatron_lite.model.moe_router import MoEAuxLossAutoScaler, RouterLosses, TopKRouter, capacity_keep_mask
 from megatron_lite.model.moe_token_dispatcher import TOKEN_DISPATCHERS
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel import mappings
@@ -78,7 +78,7 @@ class MoELayer(torch.nn.Module):
         self.layer_number = layer_number
         self.num_experts = config.num_experts
         self.capacity_factor = config.moe_expert_capacity_factor
-        self.tp_group = pstate.group("tp")
+        self.tp_group, self.cp_group = pstate.group("tp"), pstate.group("cp")
         self.sequence_parallel = sequence_parallel
         self.router = TopKRouter(config, pstate, sequence_parallel=sequence_parallel)
         self.experts = torch.nn.ModuleList(ExpertMLP(config, pstate.tp_size)
@@ -93,12 +93,8 @@ class MoELayer(torch.nn.Module):
         """[s, b, h] -> [s, b, h] (each [s/tp, b, h] with sequence parallelism)."""
         probs, indices, losses = self.router(x)  # [s b, k] for this rank's tokens
         tokens, probs, indices = self._enter_tensor_parallel_region(x, probs, indices)  # [T, h], [T, k], [T, k]
-        keep = (capacity_keep_mask(probs, indices, self.num_experts, self.capacity_factor)
-                if self.capacity_factor is not None else None)
-        dropped = torch.zeros((), device=x.device) if keep is None else (~keep).sum()
-        record = torch.cat([torch.stack([torch.ones((), device=x.device), losses.aux_loss.detach(),
-                                         losses.z_loss.detach(), dropped.float()]).double(),
-                            losses.tokens_per_expert.double()])
+        keep = self._capacity_keep_mask(probs, indices) if self.capacity_factor is not None else None
+        record = self._statistics_record(losses, keep)
         probs = MoEAuxLossAutoScaler.apply(probs, losses.aux_loss + losses.z_loss,
                                            losses.num_tokens * self.loss_scale,
                                            lambda: self._record_statistics(record))
@@ -106,6 +102,21 @@ class MoELayer(torch.nn.Module):
         outputs = [expert(chunk) for expert, chunk in zip(self.experts, expert_inputs.split(tokens_per_expert))]
         output = self.token_dispatcher.combine(torch.cat(outputs), handle)  # [T, h] partial sum over TP
         return self._leave_tensor_parallel_region(output.view(-1, *x.shape[1:]))
+
+    def _capacity_keep_mask(self, probs, indices):
+        """[T, k] bool: which token copies fit. Decided over the whole micro-batch: with context parallelism
+        over the routing of every CP rank's tokens (a small all-gather), of which this rank keeps its own."""
+        all_probs = mappings.all_gather_dim0(probs.detach(), self.cp_group)
+        all_indices = mappings.all_gather_dim0(indices, self.cp_group)
+        keep = capacity_keep_mask(all_probs, all_indices, self.num_experts, self.capacity_factor)
+        return mappings.split_along_dim(keep, self.cp_group, 0)
+
+    def _statistics_record(self, losses: RouterLosses, keep: torch.Tensor | None) -> torch.Tensor:
+        """One micro-batch's row of `statistics`."""
+        device = losses.tokens_per_expert.device
+        dropped = torch.zeros((), device=device) if keep is None else (~keep).sum().float()
+        head = torch.stack([torch.ones((), device=device), losses.aux_loss.detach(), losses.z_loss.detach(), dropped])
+        return torch.cat([head.double(), losses.tokens_per_expert.double()])
 
     def _record_statistics(self, record: torch.Tensor) -> None:
         self.statistics = record if self.statistics is None else self.statistics + record

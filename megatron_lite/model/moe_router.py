@@ -23,8 +23,9 @@ gradient is that of mean LM loss + sum over micro-batches of (T / N) * (aux + z)
 plus the token-weighted mean of the per-micro-batch losses.
 
 Capacity (`--moe-expert-capacity-factor c`): each expert takes at most ceil(c * T k / E) of the T
-tokens it sees; it keeps those it gives the highest probability (ties: the earlier token), the others
-skip the expert (with every choice dropped, a token passes through the residual connection only).
+tokens of a micro-batch; it keeps those it gives the highest probability (ties: the earlier token), the
+others skip the expert (with every choice dropped, a token passes through the residual connection only).
+The decision depends on the micro-batch's routing alone, so every layout drops the same token copies.
 """
 
 from __future__ import annotations
