@@ -123,7 +123,7 @@ def mlite_to_hf(args) -> str:
     _empty_target(args.save_dir)
     files = safetensors_files.write_hf_weights(
         args.save_dir, hf, safetensors_files.parse_size(args.max_shard_size),
-        lambda shards: tqdm(shards, desc="writing safetensors", unit="file", file=sys.stderr))
+        lambda files, total: tqdm(files, total=total, desc="writing safetensors", unit="file", file=sys.stderr))
     safetensors_files.write_hf_config(args.save_dir, configs.hf_config_from_model(m, dtype, base))
     copied = []
     for folder in _tokenizer_folders(path, config):
