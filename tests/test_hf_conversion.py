@@ -251,9 +251,11 @@ def test_trained_checkpoint_exports_to_transformers_with_our_logits(family, tmp_
                           "max_position_embeddings": SEQ, "train_iters": 2, "global_batch_size": 2, "lr": 1e-2,
                           "save": str(tmp_path / "run"), "log_interval": 1000, "eval_interval": 1000, "device": "cpu"})
     pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+    with open(tmp_path / "run/generation_config.json", "w") as f:  # generation defaults beside the checkpoint
+        json.dump({"bos_token_id": 5, "eos_token_id": 6}, f)
     convert("--direction", "mlite-to-hf", "--load-dir", str(tmp_path / "run"), "--save-dir", str(tmp_path / "hf"))
     exported = read_json(tmp_path / "hf/config.json")
-    assert exported["model_type"] == family
+    assert exported["model_type"] == family and (exported["bos_token_id"], exported["eos_token_id"]) == (5, 6)
     if family == "llama":  # tied embeddings: no lm_head, as save_pretrained writes them
         assert exported["tie_word_embeddings"] and "lm_head.weight" not in load_file(tmp_path / "hf/model.safetensors")
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))

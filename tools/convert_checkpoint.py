@@ -118,13 +118,10 @@ def mlite_to_hf(args) -> str:
     if problems:
         raise ConversionError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     hf = weights.to_hf(family, tensors, m, _layer_progress(f"converting to {family}"))
-    dtype = next(iter(hf.values())).dtype
-    base = saved.get("hf", {}).get("config")
     _empty_target(args.save_dir)
     files = safetensors_files.write_hf_weights(
         args.save_dir, hf, safetensors_files.parse_size(args.max_shard_size),
         lambda files, total: tqdm(files, total=total, desc="writing safetensors", unit="file", file=sys.stderr))
-    safetensors_files.write_hf_config(args.save_dir, configs.hf_config_from_model(m, dtype, base))
     copied = []
     for folder in _tokenizer_folders(path, config):
         copied += safetensors_files.copy_carried_files(folder, args.save_dir)
@@ -133,6 +130,10 @@ def mlite_to_hf(args) -> str:
             and os.path.isfile(tokenizer_model) and "tokenizer.model" not in copied):
         shutil.copy2(tokenizer_model, os.path.join(args.save_dir, "tokenizer.model"))
         copied.append("tokenizer.model")
+    hf_config = configs.hf_config_from_model(m, next(iter(hf.values())).dtype, saved.get("hf", {}).get("config"))
+    if "hf" not in saved:  # trained here: the token ids come from the carried generation defaults, if any
+        hf_config.update(safetensors_files.generation_token_ids(args.save_dir))
+    safetensors_files.write_hf_config(args.save_dir, hf_config)
     extras = f"; carried {', '.join(copied)}" if copied else ""
     print(f"exported {path} as {family} to {args.save_dir} ({', '.join(files)}){extras}")
     return args.save_dir

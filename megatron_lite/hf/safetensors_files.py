@@ -140,6 +140,16 @@ def write_hf_config(folder: str, config: dict) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
+def generation_token_ids(folder: str) -> dict:
+    """bos/eos/pad token ids from a folder's generation_config.json ({} without one)."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        generation = json.load(f)
+    return {key: generation[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in generation}
+
+
 def copy_carried_files(source: str, target: str) -> list[str]:
     """Copy the tokenizer and generation-config files of folder `source` that exist; returns their names."""
     copied = []
