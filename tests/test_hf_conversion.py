@@ -326,7 +326,7 @@ def test_unsupported_variants_and_targets_are_one_line(converted, tmp_path):
                                             str(tmp_path / "out"))
     message = one_line_error("--direction", "hf-to-mlite", "--load-dir", converted["llama"][0], "--save-dir",
                              str(tmp_path / "out"), "--target-tensor-parallel-size", "3")
-    assert "TP3 x PP1" in message and "num-attention-heads (4) must be divisible by tensor-model-parallel-size (3)" \
+    assert "at TP3 x PP1" in message and "num-attention-heads (4) must be divisible by tensor-model-parallel-size (3)" \
         in message
     message = one_line_error("--direction", "hf-to-mlite", "--load-dir", converted["llama"][0], "--save-dir",
                              converted["gpt2"][1])

@@ -60,11 +60,11 @@ def hf_to_mlite(args) -> str:
     family = configs.family_of_hf(hf_config)
     values = configs.model_values_from_hf(hf_config)
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    try:
+    try:  # validated as a run on mock data (there is no corpus yet); the saved configuration names no data
         config = make_config({**values, "mock_data": True, "tensor_model_parallel_size": tp,
                               "pipeline_model_parallel_size": pp}, tp * pp)
     except ConfigError as error:
-        raise ConversionError(f"the model does not fit TP{tp} x PP{pp}: {error}") from None
+        raise ConversionError(f"cannot build this model at TP{tp} x PP{pp}: {error}") from None
     config.data.mock_data = False
     hf = safetensors_files.HFWeights(args.load_dir)
     hf.names = weights.normalize_hf_names(family, [n for n in hf.names if weights.is_weight(n)])
@@ -75,12 +75,11 @@ def hf_to_mlite(args) -> str:
         raise ConversionError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     _empty_target(args.save_dir)
     copied = safetensors_files.copy_carried_files(args.load_dir, args.save_dir)
-    if "tokenizer.json" in copied or "tokenizer.model" in copied:
-        config.data.tokenizer_type = ("HuggingFaceTokenizer" if "tokenizer.json" in copied
-                                      else "SentencePieceTokenizer")
-        config.data.tokenizer_model = os.path.abspath(args.save_dir)
-        if config.data.tokenizer_type == "SentencePieceTokenizer":
-            config.data.tokenizer_model = os.path.join(config.data.tokenizer_model, "tokenizer.model")
+    if "tokenizer.json" in copied:  # what --tokenizer-model should name to tokenize a corpus as the model was
+        config.data.tokenizer_type, config.data.tokenizer_model = "HuggingFaceTokenizer", os.path.abspath(args.save_dir)
+    elif "tokenizer.model" in copied:
+        config.data.tokenizer_type = "SentencePieceTokenizer"
+        config.data.tokenizer_model = os.path.abspath(os.path.join(args.save_dir, "tokenizer.model"))
     tensors = weights.to_megatron(family, hf, config.model, _layer_progress(f"converting {family}"))
     print(f" writing {len(tensors)} tensors to {args.save_dir}", file=sys.stderr, flush=True)
     path = write_model_checkpoint(args.save_dir, tensors, config, {"hf": {"model_type": family, "config": hf_config,
