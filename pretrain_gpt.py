@@ -1,28 +1,36 @@
 """Pretrain a GPT or Llama model: `torchrun --nproc-per-node N pretrain_gpt.py <flags>` (see --help).
 
 As in Megatron-LM, this file only says what the model is, how a micro-batch is read and what the
-loss is; megatron_lite.training.pretrain does the rest.
+loss is; megatron_lite.training.pretrain does the rest. The model and training modules are imported
+inside the functions that use them: the configuration is validated first, without loading torch, so a
+bad command line fails on every rank in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from functools import partial
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_lite.config import Config, ConfigError, parse_config
-from megatron_lite.model.context_parallel import get_batch_on_this_cp_rank
-from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.moe import moe_mlp_factory
-from megatron_lite.parallel.state import ParallelState
-from megatron_lite.training import ChunkPlan, padded_vocab_for, pretrain
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.state import ParallelState
+    from megatron_lite.training import ChunkPlan
 
 
 def model_provider(config: Config, pstate: ParallelState, plan: ChunkPlan, device: torch.device) -> GPTModel:
     """One model chunk: the layers of `plan`, with the embedding / output layer where the plan says, and
     MoE layers in place of the dense MLP where --num-experts and --moe-layer-freq say."""
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.model.moe import moe_mlp_factory
+    from megatron_lite.training import padded_vocab_for
+
     return GPTModel(config.model, pstate, padded_vocab=padded_vocab_for(config), seed=config.training.seed,
                     pre_process=plan.pre_process, post_process=plan.post_process,
                     layer_offset=plan.layer_offset, num_layers=plan.num_layers,
@@ -41,6 +49,8 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 def forward_step(data_iterator, model):
     """Read one micro-batch (the same on every rank of the cp group), keep this cp rank's share of the
     sequence, and run it through this model chunk."""
+    from megatron_lite.model.context_parallel import get_batch_on_this_cp_rank
+
     pstate = getattr(model, "module", model).pstate
     batch = get_batch_on_this_cp_rank(next(data_iterator), pstate)
     device = next(model.parameters()).device
@@ -56,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         rank = os.environ.get("RANK", "0")
         print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        if world_size > 1:  # torchrun stops the other ranks at the first exit: give them time to report too
+            time.sleep(2.0)
         return 2
+    from megatron_lite.training import pretrain
+
     pretrain(config, model_provider, forward_step)
     return 0
 
