@@ -1,25 +1,22 @@
 """Run configuration: dataclasses filled from Megatron-compatible flags or a YAML file, validated once.
 
-Every flag of ../shared/design/INTERFACE.md maps to one dataclass field of the same name (dashes become
-underscores). `parse_config(argv, world_size)` is the only entry point: it applies a `--model-preset`,
-then a `--config FILE.yaml`, then the explicit flags (flags win), and validates the result against the
-world size before any process group exists, so that a bad layout fails on every rank with one line.
+Every flag has Megatron-LM's name and maps to one dataclass field (dashes become underscores).
+`parse_config(argv, world_size)` is the entry point: it applies a `--model-preset`, then a
+`--config FILE.yaml`, then the explicit flags (flags win), and validates the result against the world
+size (validation.py) before any process group exists, so that a bad layout fails on every rank with
+one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import yaml
 
 from megatron_lite.presets import MODEL_PRESETS
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message is one line per problem, each saying what to change."""
+from megatron_lite.validation import ConfigError, validate
 
 
 @dataclass
@@ -294,206 +291,3 @@ def _fill_defaults(config: Config, world_size: int) -> None:
         p.data_parallel_sharding_strategy = "optim_grads"
     t.global_batch_size = t.global_batch_size or t.micro_batch_size * p.data_parallel_size
     o.lr_decay_iters = o.lr_decay_iters or t.train_iters
-
-
-def validate(config: Config, world_size: int) -> None:
-    """Check everything that can be checked before a process group exists; raise one ConfigError."""
-    problems = _layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
-def _layout_problems(config: Config, world_size: int) -> list[str]:
-    m, p = config.model, config.parallel
-    tp, cp, pp, ep = (p.tensor_model_parallel_size, p.context_parallel_size,
-                      p.pipeline_model_parallel_size, p.expert_model_parallel_size)
-    problems = []
-    for name, size in (("tensor-model-parallel-size", tp), ("context-parallel-size", cp),
-                       ("pipeline-model-parallel-size", pp), ("expert-model-parallel-size", ep)):
-        if size < 1:
-            problems.append(f"{name} ({size}) must be at least 1")
-    if problems:
-        return problems
-    if world_size % (tp * cp * pp):
-        problems.append(
-            f"world size ({world_size}) must be divisible by tensor-model-parallel-size ({tp}) x "
-            f"context-parallel-size ({cp}) x pipeline-model-parallel-size ({pp}) = {tp * cp * pp}; "
-            f"change the layout or the number of processes")
-        return problems
-    dp = p.data_parallel_size
-    if m.num_attention_heads % tp:
-        problems.append(f"num-attention-heads ({m.num_attention_heads}) must be divisible by "
-                        f"tensor-model-parallel-size ({tp})")
-    if m.num_query_groups % tp:
-        problems.append(f"num-query-groups ({m.num_query_groups}) must be divisible by "
-                        f"tensor-model-parallel-size ({tp})")
-    dense_mlp = not m.num_experts or m.moe_layer_freq > 1
-    if dense_mlp and m.ffn_hidden_size % tp:
-        problems.append(f"ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by "
-                        f"tensor-model-parallel-size ({tp})")
-    if p.sequence_parallel and tp == 1:
-        problems.append("--sequence-parallel needs tensor-model-parallel-size > 1; drop the flag or raise TP")
-    if p.sequence_parallel and (m.seq_length // cp) % tp:
-        problems.append(f"seq-length / context-parallel-size ({m.seq_length // cp}) must be divisible by "
-                        f"tensor-model-parallel-size ({tp}) with --sequence-parallel")
-    if cp > 1 and m.seq_length % (2 * cp):
-        problems.append(f"seq-length ({m.seq_length}) must be divisible by 2 x context-parallel-size "
-                        f"({2 * cp}) for load-balanced context parallelism")
-    if cp > 1 and m.attention_dropout > 0:
-        problems.append(f"attention-dropout ({m.attention_dropout}) must be 0 with context-parallel-size > 1 "
-                        f"(ring attention has no dropout); pass --attention-dropout 0")
-    if (dp * cp) % ep:
-        problems.append(f"expert-model-parallel-size ({ep}) must divide data-parallel x context-parallel "
-                        f"size ({dp} x {cp} = {dp * cp})")
-    if ep > 1 and not m.num_experts:
-        problems.append("--expert-model-parallel-size > 1 needs --num-experts")
-    if m.num_experts and m.num_experts % ep:
-        problems.append(f"num-experts ({m.num_experts}) must be divisible by expert-model-parallel-size ({ep})")
-    if m.num_experts and m.moe_ffn_hidden_size % tp:
-        problems.append(f"moe-ffn-hidden-size ({m.moe_ffn_hidden_size}) must be divisible by "
-                        f"tensor-model-parallel-size ({tp})")
-    if p.num_layers_per_virtual_pipeline_stage is not None and pp == 1:
-        problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline-model-parallel-size > 1")
-    problems += _pipeline_split_problems(config)
-    return problems
-
-
-def pipeline_stage_layers(config: Config) -> list[int]:
-    """Number of layers on each pipeline stage (before virtual-stage interleaving)."""
-    m, p = config.model, config.parallel
-    pp = p.pipeline_model_parallel_size
-    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    middle_stages = pp - (first is not None) - (last is not None)
-    remaining = m.num_layers - (first or 0) - (last or 0)
-    per_middle = remaining // middle_stages if middle_stages else 0
-    counts = [per_middle] * pp
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    return counts
-
-
-def _pipeline_split_problems(config: Config) -> list[str]:
-    m, p = config.model, config.parallel
-    pp = p.pipeline_model_parallel_size
-    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    if pp == 1:
-        if first is not None or last is not None:
-            return ["--decoder-first/last-pipeline-num-layers need pipeline-model-parallel-size > 1"]
-        return []
-    middle_stages = pp - (first is not None) - (last is not None)
-    remaining = m.num_layers - (first or 0) - (last or 0)
-    if middle_stages < 0 or remaining < 0 or (middle_stages == 0 and remaining != 0):
-        return [f"cannot split num-layers ({m.num_layers}) into {pp} pipeline stages with first="
-                f"{first} and last={last}; the counts must add up to num-layers"]
-    if middle_stages and (remaining % middle_stages or remaining == 0):
-        return [f"num-layers ({m.num_layers}) cannot be split evenly over {pp} pipeline stages; set "
-                f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"]
-    vp_layers = p.num_layers_per_virtual_pipeline_stage
-    if vp_layers is not None:
-        if first is not None or last is not None:
-            return ["--num-layers-per-virtual-pipeline-stage cannot be combined with an uneven split"]
-        per_stage = m.num_layers // pp
-        if vp_layers < 1 or per_stage % vp_layers:
-            return [f"layers per pipeline stage ({per_stage}) must be divisible by "
-                    f"num-layers-per-virtual-pipeline-stage ({vp_layers})"]
-        if config.num_microbatches % pp:
-            return [f"number of micro-batches ({config.num_microbatches}) must be divisible by "
-                    f"pipeline-model-parallel-size ({pp}) for the interleaved schedule"]
-    return []
-
-
-def _model_problems(config: Config) -> list[str]:
-    m = config.model
-    problems = []
-    if m.hidden_size % m.num_attention_heads:
-        problems.append(f"hidden-size ({m.hidden_size}) must be divisible by num-attention-heads "
-                        f"({m.num_attention_heads})")
-    if m.num_attention_heads % m.num_query_groups:
-        problems.append(f"num-attention-heads ({m.num_attention_heads}) must be divisible by "
-                        f"num-query-groups ({m.num_query_groups})")
-    if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
-        problems.append(f"seq-length ({m.seq_length}) exceeds max-position-embeddings "
-                        f"({m.max_position_embeddings}) with learned positions; raise "
-                        f"--max-position-embeddings or shorten --seq-length")
-    if m.position_embedding_type == "rope" and m.head_dim % 2:
-        problems.append(f"rope needs an even head dimension, got {m.head_dim}")
-    if m.num_experts:
-        if m.moe_router_topk > m.num_experts:
-            problems.append(f"moe-router-topk ({m.moe_router_topk}) must not exceed num-experts "
-                            f"({m.num_experts})")
-        if m.moe_layer_freq < 1:
-            problems.append("moe-layer-freq must be at least 1")
-        if m.moe_router_topk < 1:
-            problems.append(f"moe-router-topk ({m.moe_router_topk}) must be at least 1")
-        if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
-            problems.append(f"moe-expert-capacity-factor ({m.moe_expert_capacity_factor}) must be positive; "
-                            f"leave it unset for dropless routing")
-        if not m.disable_bias_linear:
-            problems.append("MoE experts have no biases: pass --disable-bias-linear with --num-experts")
-    if m.recompute_num_layers is not None and m.recompute_granularity != "full":
-        problems.append("--recompute-num-layers needs --recompute-granularity full")
-    return problems
-
-
-def _checkpoint_problems(config: Config) -> list[str]:
-    c, t = config.checkpoint, config.training
-    problems = []
-    if c.save_interval is not None and not c.save:
-        problems.append("--save-interval needs --save DIR")
-    if c.async_save and not c.save:
-        problems.append("--async-save needs --save DIR")
-    for name, value in (("save-interval", c.save_interval), ("keep-last-n", c.keep_last_n),
-                        ("exit-interval", t.exit_interval)):
-        if value is not None and value < 1:
-            problems.append(f"{name} must be at least 1, got {value}")
-    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
-        problems.append(f"exit-duration-in-mins must be positive, got {t.exit_duration_in_mins}")
-    if (c.finetune or c.no_load_optim or c.no_load_rng) and not c.load:
-        problems.append("--finetune / --no-load-optim / --no-load-rng need --load DIR")
-    return problems
-
-
-def _run_problems(config: Config) -> list[str]:
-    m, p, t, o, d = config.model, config.parallel, config.training, config.optimizer, config.data
-    problems = []
-    per_step = t.micro_batch_size * p.data_parallel_size
-    if t.global_batch_size % per_step:
-        problems.append(f"global-batch-size ({t.global_batch_size}) must be divisible by micro-batch-size "
-                        f"({t.micro_batch_size}) x data-parallel size ({p.data_parallel_size}) = {per_step}")
-    if not d.mock_data and not d.data_path:
-        problems.append("no training data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
-    if d.mock_data and not m.vocab_size:
-        problems.append("--mock-data needs --vocab-size (or a --model-preset that sets it)")
-    if o.bf16 and o.fp16:
-        problems.append("choose one of --bf16 and --fp16")
-    if o.min_lr > o.lr:
-        problems.append(f"min-lr ({o.min_lr}) must not exceed lr ({o.lr})")
-    if t.train_iters < 1:
-        problems.append("train-iters must be at least 1")
-    if t.micro_batch_size < 1:
-        problems.append("micro-batch-size must be at least 1")
-    problems += _checkpoint_problems(config)
-    problems += _optimizer_problems(config)
-    if not math.isfinite(o.lr) or o.lr < 0:
-        problems.append(f"lr must be a non-negative number, got {o.lr}")
-    return problems
-
-
-def _optimizer_problems(config: Config) -> list[str]:
-    o, p = config.optimizer, config.parallel
-    problems = []
-    if o.loss_scale is not None and not o.fp16:
-        problems.append("--loss-scale only applies with --fp16 (bf16 and fp32 need no loss scaling)")
-    for name, value in (("loss-scale", o.loss_scale), ("initial-loss-scale", o.initial_loss_scale),
-                        ("min-loss-scale", o.min_loss_scale)):
-        if value is not None and not value > 0:
-            problems.append(f"{name} must be positive, got {value}")
-    if o.hysteresis < 1 or o.loss_scale_window < 1:
-        problems.append(f"hysteresis ({o.hysteresis}) and loss-scale-window ({o.loss_scale_window}) must be at "
-                        f"least 1")
-    if p.overlap_param_gather and p.data_parallel_sharding_strategy == "no_shard":
-        problems.append("--overlap-param-gather needs --use-distributed-optimizer (or a "
-                        "--data-parallel-sharding-strategy other than no_shard)")
-    return problems

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_lite.checkpoint.checkpointing import Checkpointer, ResumeState
 from megatron_lite.checkpoint.graceful_exit import ExitConditions, ExitSignalHandler
-from megatron_lite.config import Config, pipeline_stage_layers
+from megatron_lite.config import Config
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
@@ -29,6 +29,7 @@ from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
+from megatron_lite.validation import pipeline_stage_layers
 
 
 def resolve_device(requested: str) -> torch.device:

@@ -3,8 +3,9 @@ change, and valid splits (uneven, interleaved) give each stage and model chunk t
 
 import pytest
 
-from megatron_lite.config import ConfigError, make_config, pipeline_stage_layers
+from megatron_lite.config import ConfigError, make_config
 from megatron_lite.training import model_chunk_plans
+from megatron_lite.validation import pipeline_stage_layers
 from tests.test_pipeline_parallel import TINY_8_LAYERS
 
 
