@@ -185,6 +185,8 @@ def _run_problems(config: Config) -> list[str]:
                         f"({t.micro_batch_size}) x data-parallel size ({p.data_parallel_size}) = {per_step}")
     if not d.mock_data and not d.data_path:
         problems.append("no training data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
+    if config.logging.tensorboard_dir:
+        problems.append("--tensorboard-dir is not supported; follow the run with --wandb-project or --metrics-jsonl")
     if d.mock_data and not m.vocab_size:
         problems.append("--mock-data needs --vocab-size (or a --model-preset that sets it)")
     if o.bf16 and o.fp16:

@@ -61,3 +61,8 @@ def test_several_problems_are_reported_together():
 def test_data_path_is_required_without_mock_data():
     with pytest.raises(ConfigError, match="--data-path"):
         make_config({"model_preset": "llama-tiny"}, world_size=1)
+
+
+def test_tensorboard_is_refused_rather_than_ignored():
+    with pytest.raises(ConfigError, match="--tensorboard-dir is not supported"):
+        make_config({"model_preset": "llama-tiny", "mock_data": True, "tensorboard_dir": "tb"}, world_size=1)
