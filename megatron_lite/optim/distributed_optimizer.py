@@ -28,7 +28,7 @@ Checkpoint protocol (the same for `Optimizer` and `DistributedOptimizer`). `shar
   optimizer.grad_scaler                     dict or None: the fp16 loss scaler's state
 
 Global names are GPTModel.global_name's (DistributedDataParallel.module.named_global_parameters()). A
-FlatShard (grad_buffer.py) is elements [start, stop) of this rank's tensor-parallel shard of the
+FlatShard (param_and_grad_buffer.py) is elements [start, stop) of this rank's tensor-parallel shard of the
 parameter, flattened row-major, as a live 1-D tensor; `spec` (ShardSpec) with the rank's TP rank places
 that shard in the global tensor. The plain optimizer holds whole shards, (0, numel); the distributed
 optimizer a flat range, which is a few row-major boxes of the global tensor. Several ranks may hold the
