@@ -160,9 +160,6 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def sections(self):
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
