@@ -15,6 +15,7 @@ import time
 import torch
 
 from megatron_lite.config import Config, ModelConfig
+from megatron_lite.model.moe import moe_layer_numbers
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, without sparsity).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0,
@@ -35,7 +36,7 @@ def training_flops_per_token(config: ModelConfig, recompute: bool = False) -> fl
     mlp_matrices = 3 if config.swiglu else 2
     dense_mlp = mlp_matrices * h * config.ffn_hidden_size
     if config.num_experts:
-        moe_layers = len(range(0, L, config.moe_layer_freq))
+        moe_layers = len(moe_layer_numbers(config))
         moe_mlp = config.moe_router_topk * mlp_matrices * h * config.moe_ffn_hidden_size + h * config.num_experts
         mlp_weights = moe_layers * moe_mlp + (L - moe_layers) * dense_mlp
     else:
