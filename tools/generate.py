@@ -5,9 +5,9 @@
     python tools/generate.py --load ckpt/llama --prompt "Once" --top-k 50 --top-p 0.9 --temperature 0.8 --seed 3
 
 The model is rebuilt from the configuration saved in the checkpoint and runs in one process with a KV
-cache. Text prompts use the checkpoint's tokenizer: tokenizer files in the checkpoint directory (as
-convert_checkpoint.py carries them), else the run's --tokenizer-model, else --tokenizer-type/--tokenizer-model
-given here. Greedy unless --top-k, --top-p or --temperature ask for sampling. Generation stops at
+cache. Text prompts use --tokenizer-type/--tokenizer-model when given here, else the checkpoint's
+tokenizer: tokenizer files in the checkpoint directory (as convert_checkpoint.py carries them), else the
+run's --tokenizer-model. Greedy unless --top-k, --top-p or --temperature ask for sampling. Generation stops at
 --max-new-tokens, or when the tokenizer's end-of-document token comes (unless --ignore-eos).
 """
 
