@@ -21,11 +21,10 @@ def activation(config: ModelConfig, x: torch.Tensor) -> torch.Tensor:
 class MLP(torch.nn.Module):
     """h -> ffn -> h. With SwiGLU, fc1 produces [gate; up] (2 x ffn); each TP rank holds its slice of both."""
 
-    def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool,
-                 ffn_hidden_size: int | None = None):
+    def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool):
         super().__init__()
         self.config = config
-        ffn = ffn_hidden_size or config.ffn_hidden_size
+        ffn = config.ffn_hidden_size
         bias = not config.disable_bias_linear
         chunks = 2 if config.swiglu else 1
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, chunks * ffn, pstate, bias=bias,
