@@ -89,6 +89,11 @@ class ResumeState:
             set_rng_states(model, device, self.rng)
 
 
+def rng_pieces(tag: str, rank: int, states: dict[str, torch.Tensor]) -> list[ShardedTensor]:
+    """This rank's generator states under keys of their own: they are per rank and per layout."""
+    return [ShardedTensor.whole(f"rng_state.{tag}.rank_{rank}.{name}", state) for name, state in states.items()]
+
+
 def _versions() -> dict:
     try:
         package = importlib.metadata.version("megatron-lite")
@@ -135,8 +140,7 @@ class Checkpointer:
             optimizer_pieces, optimizer_values = to_boxes(optimizer.sharded_state_dict(), self.pstate)
             pieces += optimizer_pieces
         tag = layout_tag(self.config, self.device)
-        pieces += [ShardedTensor.whole(f"rng_state.{tag}.rank_{self.pstate.rank}.{name}", state)
-                   for name, state in rng_states(model, self.device).items()]
+        pieces += rng_pieces(tag, self.pstate.rank, rng_states(model, self.device))
         pieces = boxes_to_write(pieces, self.group)
         if self.is_coordinator:
             directory.prepare(root, iteration)
@@ -240,8 +244,7 @@ class Checkpointer:
         if not (c.no_load_rng or c.finetune):
             if saved.get("rng_layout") == tag:
                 rng = {name: torch.empty_like(state) for name, state in rng_states(model, self.device).items()}
-                pieces += [ShardedTensor.whole(f"rng_state.{tag}.rank_{self.pstate.rank}.{name}", state)
-                           for name, state in rng.items()]
+                pieces += rng_pieces(tag, self.pstate.rank, rng)
             else:
                 self._log(f" random generator states not restored: saved in layout {saved.get('rng_layout')}, "
                           f"running in {tag}")
