@@ -84,7 +84,7 @@ class Optimizer:
 
     def _replication(self) -> tuple[int, int]:
         """How many ranks hold each dense and each expert gradient this rank steps."""
-        return self.pstate.dp_size * self.pstate.cp_size, self.pstate.layout.edp
+        return self.pstate.dp_size * self.pstate.cp_size, self.pstate.edp_size
 
     def _sync_params(self) -> None:
         """Make the updated values visible to the model everywhere (nothing to do without sharding)."""
