@@ -21,6 +21,10 @@ from megatron_lite.config import ModelConfig
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 # Buffers some HF checkpoints carry that are not weights.
 _NOT_WEIGHTS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+# GPT-2 per-layer names (ours, HF's) shared by both directions; HF's Conv1D linears are stored transposed.
+_GPT2_NORMS = (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"))
+_GPT2_TRANSPOSED_LINEARS = (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
+                            ("mlp.linear_fc2", "mlp.c_proj"))
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -148,15 +152,14 @@ def _gpt2_to_megatron(hf, m: ModelConfig, layers) -> dict[str, torch.Tensor]:
     out = {WORD_EMBEDDINGS: hf["transformer.wte.weight"], "embedding.position_embeddings": hf["transformer.wpe.weight"]}
     for i in layers(range(m.num_layers)):
         src, dst = f"transformer.h.{i}.", f"decoder.layers.{i}."
-        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+        for ours, theirs in _GPT2_NORMS:
             out[f"{dst}{ours}.weight"] = hf[f"{src}{theirs}.weight"]
             out[f"{dst}{ours}.bias"] = hf[f"{src}{theirs}.bias"]
         q, k, v = hf[src + "attn.c_attn.weight"].t().chunk(3)
         qb, kb, vb = hf[src + "attn.c_attn.bias"].chunk(3)
         out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, m)
         out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(qb, kb, vb, m)
-        for ours, theirs in (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
-                             ("mlp.linear_fc2", "mlp.c_proj")):
+        for ours, theirs in _GPT2_TRANSPOSED_LINEARS:
             out[f"{dst}{ours}.weight"] = hf[f"{src}{theirs}.weight"].t()
             out[f"{dst}{ours}.bias"] = hf[f"{src}{theirs}.bias"]
     out["decoder.final_layernorm.weight"] = hf["transformer.ln_f.weight"]
@@ -210,14 +213,13 @@ def _gpt2_to_hf(t: dict, m: ModelConfig, layers) -> dict[str, torch.Tensor]:
            "transformer.wpe.weight": t["embedding.position_embeddings"]}
     for i in layers(range(m.num_layers)):
         src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
-        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+        for ours, theirs in _GPT2_NORMS:
             out[f"{dst}{theirs}.weight"] = t[f"{src}{ours}.weight"]
             out[f"{dst}{theirs}.bias"] = t[f"{src}{ours}.bias"]
         q, k, v = split_qkv(t[src + "self_attention.linear_qkv.weight"], m)
         out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
         out[dst + "attn.c_attn.bias"] = torch.cat(split_qkv(t[src + "self_attention.linear_qkv.bias"], m))
-        for ours, theirs in (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
-                             ("mlp.linear_fc2", "mlp.c_proj")):
+        for ours, theirs in _GPT2_TRANSPOSED_LINEARS:
             out[f"{dst}{theirs}.weight"] = t[f"{src}{ours}.weight"].t()
             out[f"{dst}{theirs}.bias"] = t[f"{src}{ours}.bias"]
     out["transformer.ln_f.weight"] = t["decoder.final_layernorm.weight"]
