@@ -15,6 +15,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from megatron_lite.config import Config, ConfigError, parse_config
+from megatron_lite.errors import UserError, debug_requested, report
 
 if TYPE_CHECKING:
     import torch
@@ -61,17 +62,21 @@ def forward_step(data_iterator, model):
 
 def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    debug = debug_requested(argv)
     try:
         config = parse_config(argv, world_size)
     except ConfigError as error:
-        rank = os.environ.get("RANK", "0")
-        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        report(error, debug)
         if world_size > 1:  # torchrun stops the other ranks at the first exit: give them time to report too
             time.sleep(2.0)
         return 2
     from megatron_lite.training import pretrain
 
-    pretrain(config, model_provider, forward_step)
+    try:
+        pretrain(config, model_provider, forward_step)
+    except UserError as error:
+        report(error, debug)
+        return 1
     return 0
 
 

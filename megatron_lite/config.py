@@ -125,6 +125,8 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
+    check_for_nan_in_loss_and_grad: bool = True  # stop before applying a step whose loss or grad norm is not finite
+    distributed_timeout_minutes: float = 10.0  # a collective that waits longer ends the run
 
 
 @dataclass
@@ -137,6 +139,7 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     keep_last_n: int | None = None
+    ckpt_step: int | None = None  # load this iteration of --load instead of the newest complete one
 
 
 @dataclass
@@ -148,6 +151,7 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     metrics_jsonl: str | None = None
     peak_tflops: float | None = None
+    debug: bool = False  # print tracebacks with errors (also MEGATRON_LITE_DEBUG=1)
 
 
 @dataclass
@@ -219,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
             flag = "--" + f.name.replace("_", "-")
             kind = _value_type(f)
             help_text = f"default: {f.default if f.default is not dataclasses.MISSING else '[]'}"
-            if kind is bool:
+            if kind is bool and f.default:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            elif kind is bool:
                 group.add_argument(flag, action="store_true", help=help_text)
             elif kind is list:
                 group.add_argument(flag, nargs="+", help="[WEIGHT] PREFIX [[WEIGHT] PREFIX ...]")

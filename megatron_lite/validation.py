@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from megatron_lite.errors import UserError
+
 if TYPE_CHECKING:
     from megatron_lite.config import Config
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem; the message is one line per problem, each saying what to change."""
 
 

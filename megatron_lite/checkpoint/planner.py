@@ -37,9 +37,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_lite.checkpoint.sharded import ShardedTensor
+from megatron_lite.errors import UserError
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be saved or loaded as asked; the message says what to change."""
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "mixtral")
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """A checkpoint cannot be converted as asked; the message is one line saying what is wrong."""
 
 
