@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.model.sharding import ShardSpec
+from megatron_lite.parallel import mappings
 
 
 @dataclass
@@ -145,8 +146,7 @@ class Bucket:
                 self.grad_handle = dist.all_reduce(self.grad_data, group=self.group, async_op=True)
             else:
                 shard = self.grad_data[self.shard_start:self.shard_start + self.shard_size]
-                self.grad_handle = dist.reduce_scatter_single(shard, self.grad_data, group=self.group,
-                                                              async_op=True)
+                self.grad_handle = mappings.reduce_scatter_tensor(shard, self.grad_data, self.group, async_op=True)
             return
         if self.grad_data is None:  # no gradient reached this bucket in this backward on this rank
             self.attach_grads(torch.zeros(self.numel, dtype=torch.float32, device=self.grad_shard.device))
@@ -154,8 +154,8 @@ class Bucket:
             self.scattered = self.grad_data
         else:
             self.scattered = torch.empty_like(self.grad_shard)
-            self.grad_handle = dist.reduce_scatter_single(self.scattered, self.grad_data, group=self.group,
-                                                          async_op=True)
+            self.grad_handle = mappings.reduce_scatter_tensor(self.scattered, self.grad_data, self.group,
+                                                              async_op=True)
 
     def finish_grad_reduction(self) -> None:
         """Wait for the collective in flight, if any; ZeRO-2/3 then add the result into the shard and drop
@@ -197,7 +197,7 @@ class Bucket:
         else:
             source = self.param_data[self.shard_start:self.shard_start + self.shard_size]
         if self.group is not None:
-            self.param_handle = dist.all_gather_single(self.param_data, source, group=self.group, async_op=True)
+            self.param_handle = mappings.all_gather_into_tensor(self.param_data, source, self.group, async_op=True)
 
     def finish_param_gather(self) -> None:
         if self.param_handle is not None:

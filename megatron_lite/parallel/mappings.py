@@ -33,6 +33,26 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     return tensor
 
 
+def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
+    """Fill `output` [size * n, ...] with every rank's `tensor` [n, ...] in rank order; the work if async_op.
+
+    torch 2.13 renamed this collective `all_gather_single` and deprecated the old name with a warning on
+    every call; older torch (the 2.6 floor, the 2.11 of GPU images) has only the old name. The lookup
+    happens at each call, so that tests which wrap torch.distributed's functions see it.
+    """
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    return gather(output, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
+    """Sum `tensor` [size * n, ...] over ranks into `output` [n, ...], this rank's slice; the work if async_op.
+
+    Named `reduce_scatter_single` from torch 2.13 on, with the same history as `all_gather_into_tensor`.
+    """
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    return scatter(output, tensor, group=group, async_op=async_op)
+
+
 def all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0."""
     if group is None:
@@ -40,7 +60,7 @@ def all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
     size = dist.get_world_size(group)
     tensor = tensor.contiguous()
     out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_single(out, tensor, group=group)
+    all_gather_into_tensor(out, tensor, group)
     return out
 
 
@@ -51,7 +71,7 @@ def reduce_scatter_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
     size = dist.get_world_size(group)
     tensor = tensor.contiguous()
     out = torch.empty((tensor.shape[0] // size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.reduce_scatter_single(out, tensor, group=group)
+    reduce_scatter_tensor(out, tensor, group)
     return out
 
 
