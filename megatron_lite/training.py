@@ -125,7 +125,12 @@ def set_vocab_size_from_tokenizer(config: Config) -> None:
 
 
 def build_datasets(config: Config):
-    """Train/valid/test datasets: synthetic with --mock-data, else the indexed corpus of --data-path."""
+    """Train/valid/test datasets: synthetic with --mock-data, else the indexed corpus of --data-path.
+
+    The corpus is checked against the model's vocabulary (the tokenizer's, unpadded: ids in the padding
+    are as wrong as ids past it). Training never reads the test split, so it asks no test samples of the
+    corpus, and a small corpus whose test share rounds to no documents still trains.
+    """
     train_n, valid_n, test_n = _num_samples(config)
     m, d, seed = config.model, config.data, config.training.seed
     if d.mock_data:
@@ -134,8 +139,8 @@ def build_datasets(config: Config):
                 MockGPTDataset(test_n, m.seq_length, m.vocab_size, seed + 2))
     from megatron_lite.data.builder import build_train_valid_test_datasets
 
-    return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length, seed, (train_n, valid_n, test_n),
-                                           cache_dir=d.data_cache_path)
+    return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length, seed, (train_n, valid_n, 0),
+                                           cache_dir=d.data_cache_path, vocab_size=m.vocab_size)
 
 
 def _collate(samples) -> dict[str, torch.Tensor]:

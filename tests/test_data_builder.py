@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 
 from megatron_lite.data.builder import build_train_valid_test_datasets, parse_data_path, parse_split, split_ranges
-from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder
+from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron_lite.errors import DataError
 
 SEQ = 32
+VOCAB = 3000  # make_prefix ids lie below 3000
 
 
 def make_prefix(tmp_path, name, first_token, documents=200):
@@ -45,7 +47,7 @@ def test_split_parsing_and_megatron_rounding():
 
 def test_each_split_yields_at_least_its_samples_from_its_own_documents(tmp_path):
     prefix = make_prefix(tmp_path, "a", 0)
-    train, valid, test = build_train_valid_test_datasets([prefix], "90,10,0", SEQ, 1, (500, 40, 7))
+    train, valid, test = build_train_valid_test_datasets([prefix], "90,10,0", SEQ, 1, (500, 40, 7), vocab_size=VOCAB)
     assert test is None
     assert len(train) >= 500 and len(valid) >= 40
     assert train[0].shape == (SEQ + 1,) and train[0].dtype == np.int64
@@ -58,7 +60,8 @@ def test_blend_shares_are_within_one_percent_of_the_weights(tmp_path):
     prefixes = [make_prefix(tmp_path, name, first) for name, first in (("a", 0), ("b", 1000), ("c", 2000))]
     weights = [0.2, 0.3, 0.5]
     data_path = [str(x) for pair in zip(weights, prefixes) for x in pair]
-    train, _, _ = build_train_valid_test_datasets(data_path, "1", SEQ, 1, (10_000, 0, 0), str(tmp_path / "c"))
+    train, _, _ = build_train_valid_test_datasets(data_path, "1", SEQ, 1, (10_000, 0, 0), str(tmp_path / "c"),
+                                                  vocab_size=VOCAB)
     assert len(train) == 10_000
     source = np.array([train[i][0] // 1000 for i in range(len(train))])  # which corpus each sample came from
     shares = np.bincount(source, minlength=3) / len(train)
@@ -67,7 +70,7 @@ def test_blend_shares_are_within_one_percent_of_the_weights(tmp_path):
 
 def test_unweighted_prefixes_blend_by_token_count(tmp_path):
     small, large = make_prefix(tmp_path, "s", 0, documents=50), make_prefix(tmp_path, "l", 1000, documents=150)
-    train, _, _ = build_train_valid_test_datasets([small, large], "1", SEQ, 1, (2000, 0, 0))
+    train, _, _ = build_train_valid_test_datasets([small, large], "1", SEQ, 1, (2000, 0, 0), vocab_size=VOCAB)
     tokens = [d.indexed_dataset.num_tokens for d in train.datasets]
     expected = tokens[0] / sum(tokens)
     from_small = np.mean([train[i][0] < 1000 for i in range(len(train))])
@@ -76,10 +79,56 @@ def test_unweighted_prefixes_blend_by_token_count(tmp_path):
 
 def test_a_split_without_documents_says_what_to_change(tmp_path):
     prefix = make_prefix(tmp_path, "a", 0, documents=200)
-    with pytest.raises(ValueError, match="test split .* gets no documents"):
-        build_train_valid_test_datasets([prefix], "969,30,1", SEQ, 1, (10, 10, 10))
+    with pytest.raises(DataError, match="test split .* gets no documents of its 200, but 10 test samples are needed"):
+        build_train_valid_test_datasets([prefix], "969,30,1", SEQ, 1, (10, 10, 10), vocab_size=VOCAB)
 
 
 def test_missing_prefix_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.idx not found"):
-        build_train_valid_test_datasets([str(tmp_path / "missing")], "1", SEQ, 1, (10, 0, 0))
+    with pytest.raises(DataError, match="missing.idx not found"):
+        build_train_valid_test_datasets([str(tmp_path / "missing")], "1", SEQ, 1, (10, 0, 0), vocab_size=VOCAB)
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_from_a_cached_scan(tmp_path, monkeypatch):
+    prefix = make_prefix(tmp_path, "a", 0)
+    largest = int(max(IndexedDataset(prefix)[i].max() for i in range(200)))
+    with pytest.raises(DataError, match=rf"a.bin holds token id {largest}, but the model's vocabulary has "
+                                        rf"{largest} ids \(0..{largest - 1}\)"):
+        build_train_valid_test_datasets([prefix], "1", SEQ, 1, (10, 0, 0), vocab_size=largest)
+    assert list((tmp_path / "cache").glob("*-TokenIdRange-token_id_range.npy"))
+    monkeypatch.setattr(IndexedDataset, "token_id_range", lambda self: pytest.fail(".bin scanned again"))
+    with pytest.raises(DataError, match=f"holds token id {largest}"):
+        build_train_valid_test_datasets([prefix], "1", SEQ, 1, (10, 0, 0), vocab_size=largest)
+    train, _, _ = build_train_valid_test_datasets([prefix], "1", SEQ, 1, (10, 0, 0), vocab_size=largest + 1)
+    assert len(train) >= 10
+
+
+def test_a_rewritten_bin_is_scanned_again(tmp_path):
+    prefix = make_prefix(tmp_path, "a", 0)
+    build_train_valid_test_datasets([prefix], "1", SEQ, 1, (10, 0, 0), vocab_size=1000)
+    make_prefix(tmp_path, "a", 5000)  # the same name, now with ids from 5000
+    with pytest.raises(DataError, match=r"holds token id 50\d\d, but the model's vocabulary has 1000 ids"):
+        build_train_valid_test_datasets([prefix], "1", SEQ, 1, (10, 0, 0), vocab_size=1000)
+
+
+def test_an_idx_that_reads_the_tokens_as_signed_is_refused(tmp_path):
+    builder = IndexedDatasetBuilder(str(tmp_path / "a"), np.uint16)
+    builder.add_document(np.arange(40000, 40100))
+    builder.finalize()
+    idx = bytearray((tmp_path / "a.idx").read_bytes())
+    idx[17] = 3  # int16: the same size as uint16, so only the values give it away
+    (tmp_path / "a.idx").write_bytes(bytes(idx))
+    with pytest.raises(DataError, match=r"a.bin holds a negative token id \(-25536\): it was not written as the "
+                                        r"int16 tokens its .idx declares"):
+        build_train_valid_test_datasets([str(tmp_path / "a")], "1", SEQ, 1, (1, 0, 0), vocab_size=50000)
+
+
+def test_an_empty_dataset_is_refused(tmp_path):
+    IndexedDatasetBuilder(str(tmp_path / "empty"), np.uint16).finalize()
+    with pytest.raises(DataError, match=r"empty holds no tokens \(0 sequences\)"):
+        build_train_valid_test_datasets([str(tmp_path / "empty")], "1", SEQ, 1, (10, 0, 0), vocab_size=VOCAB)
+
+
+def test_a_split_without_documents_is_fine_when_none_of_its_samples_are_needed(tmp_path):
+    prefix = make_prefix(tmp_path, "a", 0, documents=200)  # the test share, 1 of 1000, rounds to no document
+    train, valid, test = build_train_valid_test_datasets([prefix], "969,30,1", SEQ, 1, (10, 10, 0), vocab_size=VOCAB)
+    assert test is None and len(valid) >= 10

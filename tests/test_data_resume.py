@@ -26,7 +26,7 @@ def data_path(tmp_path_factory):
 
 def fresh_train_dataset(data_path):
     """The train dataset as a restarted job builds it (reading the index cache the first run wrote)."""
-    return build_train_valid_test_datasets(data_path, "1", SEQ, 1234, (NUM_SAMPLES, 0, 0))[0]
+    return build_train_valid_test_datasets(data_path, "1", SEQ, 1234, (NUM_SAMPLES, 0, 0), vocab_size=50000)[0]
 
 
 def read(dataset, consumed: int, dp: int) -> list[list[np.ndarray]]:

@@ -13,12 +13,14 @@ import math
 
 import numpy as np
 
+from megatron_lite.validation import ConfigError
+
 
 def normalize_weights(weights: list[float]) -> np.ndarray:
     weights = np.asarray(weights, dtype=np.float64)
     if len(weights) == 0 or not np.all(np.isfinite(weights)) or np.any(weights <= 0):
-        raise ValueError(f"blend weights must be positive numbers, got {weights.tolist()}; "
-                         f"fix the weights in --data-path")
+        raise ConfigError(f"blend weights must be positive numbers, got {weights.tolist()}; "
+                          f"fix the weights in --data-path")
     return weights / weights.sum()
 
 
@@ -26,7 +28,7 @@ def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray,
     """(dataset_index, dataset_sample_index) for `size` samples blended by `weights`."""
     weights = normalize_weights(weights)
     if len(weights) > np.iinfo(np.int16).max:
-        raise ValueError(f"cannot blend {len(weights)} datasets; at most {np.iinfo(np.int16).max}")
+        raise ConfigError(f"cannot blend {len(weights)} datasets; at most {np.iinfo(np.int16).max}")
     due_times, owners, ranks = [], [], []
     for d, w in enumerate(weights):
         candidates = math.floor(w * size) + 2  # more than dataset d can supply in `size` samples

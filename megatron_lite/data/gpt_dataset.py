@@ -23,6 +23,7 @@ import numpy as np
 
 from megatron_lite.data.index_cache import default_cache_dir, load_or_build
 from megatron_lite.data.indexed_dataset import IndexedDataset
+from megatron_lite.errors import DataError
 
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 _INDICES = ("document_index", "sample_index", "shuffle_index")
@@ -43,9 +44,9 @@ class GPTDataset:
         document_ids = np.arange(*document_range, dtype=np.int64)
         tokens_per_epoch = int(indexed_dataset.sequence_lengths[document_ids].sum(dtype=np.int64))
         if tokens_per_epoch < seq_length + 1:
-            raise ValueError(f"the {split_name} split of {indexed_dataset.prefix} has {tokens_per_epoch} "
-                             f"tokens, fewer than seq-length + 1 = {seq_length + 1}; give it a larger "
-                             f"share in --split, add data, or lower --seq-length")
+            raise DataError(f"the {split_name} split of {indexed_dataset.prefix} has {tokens_per_epoch} "
+                            f"tokens, fewer than seq-length + 1 = {seq_length + 1}; give it a larger "
+                            f"share in --split, add data, or lower --seq-length")
         description = {
             "class": "GPTDataset",
             "dataset_path": os.path.abspath(indexed_dataset.prefix),

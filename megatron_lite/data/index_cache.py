@@ -16,6 +16,8 @@ from collections.abc import Callable
 import numpy as np
 from filelock import FileLock
 
+from megatron_lite.errors import DataError
+
 
 def default_cache_dir(prefix: str) -> str:
     """`cache/` beside the dataset, Megatron's default place for its index files."""
@@ -49,8 +51,8 @@ def load_or_build(cache_dir: str, description: dict, build: Callable[[], dict[st
                 if not os.path.isfile(marker):
                     _save(cache_dir, key, build(), description, marker)
         except PermissionError as error:
-            raise ValueError(f"cannot write the dataset index cache in {cache_dir} ({error.strerror}); "
-                             f"pass a writable cache_dir") from None
+            raise DataError(f"cannot write the dataset index cache in {cache_dir} ({error.strerror}); "
+                            f"give a writable folder with --data-cache-path") from None
     with open(marker, encoding="utf-8") as f:
         names = json.load(f)["arrays"]
     return {name: np.load(os.path.join(cache_dir, f"{key}-{name}.npy"), mmap_mode="r") for name in names}

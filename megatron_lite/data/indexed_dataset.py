@@ -21,6 +21,8 @@ import struct
 
 import numpy as np
 
+from megatron_lite.errors import DataError
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 
@@ -38,6 +40,9 @@ DTYPE_CODES = {
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 _HEADER = struct.Struct("<9sQBQQ")
+
+# Tokens per step of the largest-token-id scan: a bounded working set over any size of .bin.
+_SCAN_CHUNK_TOKENS = 1 << 24
 
 
 def bin_path(prefix: str) -> str:
@@ -72,46 +77,124 @@ def check_dtype_holds(dtype: np.dtype, vocab_size: int) -> None:
                          f"(max id {np.iinfo(dtype).max}); use a wider --dtype or leave it unset")
 
 
+_RAW_TEXT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet", ".arrow")
+
+
+def missing_prefix_hint(prefix: str) -> str:
+    """What the user probably meant by a --data-path entry that names no .bin/.idx pair."""
+    for suffix in (".bin", ".idx"):
+        if prefix.endswith(suffix) and os.path.isfile(idx_path(prefix[: -len(suffix)])):
+            return f"give the prefix without the suffix: {prefix[: -len(suffix)]}"
+    if prefix.endswith(_RAW_TEXT_SUFFIXES):
+        return (f"{os.path.basename(prefix)} is raw text: tokenize it with tools/preprocess_data.py --input "
+                f"{prefix} --output-prefix OUT, then give OUT_text_document")
+    if os.path.isfile(idx_path(prefix + "_text_document")):
+        return f"did you mean {prefix}_text_document (what tools/preprocess_data.py writes)?"
+    return "give the PREFIX of a PREFIX.bin/PREFIX.idx pair made by tools/preprocess_data.py"
+
+
+def _map(path: str) -> np.ndarray:
+    """The file's bytes, memory-mapped (numpy cannot map an empty file: that one is an empty array)."""
+    if os.path.getsize(path) == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def _read_header(index: np.ndarray, name: str) -> tuple[np.dtype, int, int]:
+    """(token dtype, sequence count, document count) from the .idx bytes, after checking that the
+    header is Megatron's and that the file holds exactly the arrays it announces."""
+    if len(index) < _HEADER.size:
+        raise DataError(f"{name} is truncated ({len(index)} bytes, shorter than its header); "
+                        f"rerun tools/preprocess_data.py")
+    magic, version, code, n_seq, n_doc = _HEADER.unpack(index[: _HEADER.size].tobytes())
+    if magic != INDEX_MAGIC:
+        raise DataError(f"{name} has magic {magic!r}, not {INDEX_MAGIC!r}: not a Megatron MMapIndexedDataset index")
+    if version != INDEX_VERSION:
+        raise DataError(f"{name} has index version {version}; only version {INDEX_VERSION} is supported")
+    if code not in CODE_DTYPES or CODE_DTYPES[code].kind not in "iu":
+        known = ", ".join(f"{c} ({d})" for c, d in CODE_DTYPES.items() if d.kind in "iu")
+        raise DataError(f"{name} has dtype code {code}, not a token dtype (codes: {known}); the index is damaged")
+    expected = _HEADER.size + n_seq * (4 + 8) + n_doc * 8
+    if len(index) != expected:
+        state = "is truncated" if len(index) < expected else "has trailing bytes"
+        raise DataError(f"{name} {state} ({len(index)} bytes; its header announces {n_seq} sequences and "
+                        f"{n_doc} document indices, {expected} bytes); rerun tools/preprocess_data.py")
+    return CODE_DTYPES[code], n_seq, n_doc
+
+
+def _dtype_guess(num_bytes: int, num_tokens: int) -> str:
+    """' (the size fits int32 tokens)' when a .bin's byte count is the token count times another
+    dtype's size: the likely dtype the .bin was written in."""
+    if num_tokens == 0 or num_bytes % num_tokens:
+        return ""
+    names = [str(d) for d in DTYPE_CODES if d.kind in "iu" and d.itemsize == num_bytes // num_tokens]
+    return f" (the size fits {' or '.join(names)} tokens)" if names else ""
+
+
 class IndexedDataset:
-    """Read-only view of `PREFIX.bin`/`PREFIX.idx`: `ds[i]` is sequence i as a numpy view."""
+    """Read-only view of `PREFIX.bin`/`PREFIX.idx`: `ds[i]` is sequence i as a numpy view.
+
+    Opening checks that the two files agree (sizes, dtype, pointers), so that a pair that does not
+    belong together fails here, naming the file, instead of training on misread tokens.
+    """
 
     def __init__(self, prefix: str):
         for path in (idx_path(prefix), bin_path(prefix)):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} not found; give the PREFIX of a PREFIX.bin/PREFIX.idx "
-                                        f"pair made by tools/preprocess_data.py")
+                raise DataError(f"data prefix {prefix!r}: {path} not found; {missing_prefix_hint(prefix)}")
         self.prefix = prefix
-        self._index = np.memmap(idx_path(prefix), dtype=np.uint8, mode="r")
-        if len(self._index) < _HEADER.size:
-            raise ValueError(f"{idx_path(prefix)} is truncated ({len(self._index)} bytes); "
-                             f"rerun tools/preprocess_data.py")
-        magic, version, code, n_seq, n_doc = _HEADER.unpack(self._index[: _HEADER.size].tobytes())
-        if magic != INDEX_MAGIC:
-            raise ValueError(f"{idx_path(prefix)} has magic {magic!r}, not {INDEX_MAGIC!r}: "
-                             f"not a Megatron MMapIndexedDataset index")
-        if version != INDEX_VERSION:
-            raise ValueError(f"{idx_path(prefix)} has index version {version}; only version "
-                             f"{INDEX_VERSION} is supported")
-        if code not in CODE_DTYPES:
-            raise ValueError(f"{idx_path(prefix)} has unknown dtype code {code}")
-        self.dtype = CODE_DTYPES[code]
-        expected = _HEADER.size + n_seq * (4 + 8) + n_doc * 8
-        if len(self._index) < expected:
-            raise ValueError(f"{idx_path(prefix)} is truncated ({len(self._index)} of {expected} "
-                             f"bytes); rerun tools/preprocess_data.py")
+        self._index = _map(idx_path(prefix))
+        self.dtype, n_seq, n_doc = _read_header(self._index, idx_path(prefix))
         offset = _HEADER.size
         self.sequence_lengths = np.frombuffer(self._index, np.int32, n_seq, offset)
         offset += n_seq * 4
         self.sequence_pointers = np.frombuffer(self._index, np.int64, n_seq, offset)
         offset += n_seq * 8
         self.document_indices = np.frombuffer(self._index, np.int64, n_doc, offset)
+        self._bin = _map(bin_path(prefix))
+        self._check_index_matches_bin()
 
-        self._bin = np.memmap(bin_path(prefix), dtype=np.uint8, mode="r")
-        needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize \
-            if n_seq else 0
-        if len(self._bin) < needed:
-            raise ValueError(f"{bin_path(prefix)} is truncated ({len(self._bin)} of {needed} bytes); "
-                             f"rerun tools/preprocess_data.py")
+    def _check_index_matches_bin(self) -> None:
+        """Raise DataError unless the .idx describes exactly the tokens of the .bin, back to back.
+
+        The .bin has no header, so a dtype code that differs from how it was written shows only here:
+        as a byte count that is not the token count times the dtype's size.
+        """
+        name, lengths, itemsize = idx_path(self.prefix), self.sequence_lengths, self.dtype.itemsize
+        if np.any(lengths < 0):
+            raise DataError(f"{name}: sequence {int(np.argmax(lengths < 0))} has a negative length; "
+                            f"the index is damaged, rerun tools/preprocess_data.py")
+        expected_bytes = self.num_tokens * itemsize
+        if len(self._bin) != expected_bytes:
+            raise DataError(f"{bin_path(self.prefix)} has {len(self._bin)} bytes but {name} describes "
+                            f"{self.num_tokens} {self.dtype} tokens ({expected_bytes} bytes)"
+                            f"{_dtype_guess(len(self._bin), self.num_tokens)}; the .bin and .idx do not "
+                            f"belong together: rerun tools/preprocess_data.py")
+        expected_pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1], dtype=np.int64, out=expected_pointers[1:])
+        expected_pointers *= itemsize
+        wrong = np.flatnonzero(self.sequence_pointers != expected_pointers)
+        if wrong.size:
+            i = int(wrong[0])
+            raise DataError(f"{name}: sequence {i} starts at byte {int(self.sequence_pointers[i])} of the .bin, "
+                            f"but the sequence lengths place it at byte {int(expected_pointers[i])}; the "
+                            f"index is damaged, rerun tools/preprocess_data.py")
+        documents = self.document_indices
+        if (len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths)
+                or np.any(np.diff(documents) < 0)):
+            raise DataError(f"{name}: the document indices are not an increasing run from 0 to the "
+                            f"sequence count {len(lengths)}; the index is damaged, rerun tools/preprocess_data.py")
+
+    def token_id_range(self) -> tuple[int, int]:
+        """(smallest, largest) token id in the .bin: one pass over the file, a chunk at a time."""
+        tokens = np.frombuffer(self._bin, self.dtype)
+        if tokens.size == 0:
+            return 0, 0
+        smallest, largest = int(tokens[0]), int(tokens[0])
+        for start in range(0, tokens.size, _SCAN_CHUNK_TOKENS):
+            chunk = tokens[start: start + _SCAN_CHUNK_TOKENS]
+            smallest, largest = min(smallest, int(chunk.min())), max(largest, int(chunk.max()))
+        return smallest, largest
 
     def __reduce__(self):
         """Pickle the prefix, not the mapped files: a spawned DataLoader worker maps them itself."""
