@@ -6,6 +6,7 @@ import pytest
 
 from megatron_lite.data.tokenizer_training import train_sentencepiece
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
+from megatron_lite.errors import DataError
 
 ENGLISH = ("Now is the winter of our discontent made glorious summer by this sun of York; "
            "and all the clouds that lour'd upon our house in the deep bosom of the ocean buried. ")
@@ -90,7 +91,7 @@ def test_null_tokenizer_reads_ids_and_ends_documents_with_the_last_id():
 
 @pytest.mark.parametrize("args, error, message", [
     (("GPT2BPETokenizer", None), ValueError, "unknown --tokenizer-type"),
-    (("SentencePieceTokenizer", "/no/such/tokenizer.model"), FileNotFoundError, "not found"),
+    (("SentencePieceTokenizer", "/no/such/tokenizer.model"), DataError, "not found"),
     (("SentencePieceTokenizer", None), ValueError, "--tokenizer-model"),
     (("NullTokenizer", None), ValueError, "--vocab-size"),
 ])
@@ -103,3 +104,18 @@ def test_bad_tokenizer_arguments_say_what_to_change(args, error, message):
     (50257, 128, 1, 50304), (50257, 128, 8, 51200), (32000, 128, 2, 32000), (1000, 1, 1, 1000), (5, 4, 3, 12)])
 def test_padded_vocab_size_is_the_next_multiple_of_divisible_by_times_tp(vocab, divisible_by, tp, padded):
     assert padded_vocab_size(vocab, divisible_by, tp) == padded
+
+
+@pytest.mark.parametrize("tokenizer_type, content, message", [
+    ("SentencePieceTokenizer", b'{"version": "1.0", "model": {}}',
+     r"tok is not a sentencepiece model .*use --tokenizer-type HuggingFaceTokenizer"),
+    ("HuggingFaceTokenizer", b"\x0a\x8c\x01\x00 protobuf bytes",
+     r"tok is not a Hugging Face tokenizer.json .*if it is a sentencepiece .model, use --tokenizer-type "
+     r"SentencePieceTokenizer"),
+    ("SentencePieceTokenizer", b"\x00\x01 garbage", r"tok is not a sentencepiece model \([^;]*\)$"),
+])
+def test_a_tokenizer_file_of_the_wrong_kind_names_the_right_flag(tmp_path, tokenizer_type, content, message):
+    (tmp_path / "tok").write_bytes(content)
+    with pytest.raises(DataError, match=message) as error:
+        build_tokenizer(tokenizer_type, str(tmp_path / "tok"))
+    assert "\n" not in str(error.value)

@@ -9,6 +9,8 @@ evenly across tensor-parallel ranks and lands on sizes matrix multiplies like.
 import json
 import os
 
+from megatron_lite.errors import DataError
+
 # Names that mark the end of a document in common tokenizer.json files, tried in order when
 # no tokenizer_config.json says which token is the eos.
 _EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<eod>", "[SEP]")
@@ -17,10 +19,25 @@ _PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
 
 def _require_file(path: str | None, flag_hint: str) -> str:
     if path is None:
-        raise ValueError(f"{flag_hint} needs --tokenizer-model PATH")
+        raise DataError(f"{flag_hint} needs --tokenizer-model PATH")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"tokenizer model {path} not found; check --tokenizer-model")
+        raise DataError(f"tokenizer model {path} not found; check --tokenizer-model")
     return path
+
+
+def _other_kind_hint(path: str, tokenizer_type: str) -> str:
+    """'; use --tokenizer-type X' when the file that failed to load looks like the other kind.
+
+    A tokenizer.json is JSON text and a sentencepiece .model is a binary protobuf, so the first
+    byte tells them apart well enough to say which flag the user meant.
+    """
+    with open(path, "rb") as f:
+        looks_like_json = f.read(64).lstrip().startswith(b"{")
+    if looks_like_json and tokenizer_type != "HuggingFaceTokenizer":
+        return "; it looks like a Hugging Face tokenizer.json: use --tokenizer-type HuggingFaceTokenizer"
+    if not looks_like_json and tokenizer_type != "SentencePieceTokenizer":
+        return "; if it is a sentencepiece .model, use --tokenizer-type SentencePieceTokenizer"
+    return ""
 
 
 class SentencePieceTokenizer:
@@ -34,11 +51,15 @@ class SentencePieceTokenizer:
         import sentencepiece
 
         path = _require_file(model_file, "SentencePieceTokenizer")
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as error:
+            raise DataError(f"{path} is not a sentencepiece model ({error})"
+                            f"{_other_kind_hint(path, 'SentencePieceTokenizer')}") from None
         self.vocab_size = self._sp.get_piece_size()
         if self._sp.eos_id() < 0:
-            raise ValueError(f"sentencepiece model {path} has no eos piece to end documents; "
-                             f"train it with tools/train_tokenizer.py")
+            raise DataError(f"sentencepiece model {path} has no eos piece to end documents; "
+                            f"train it with tools/train_tokenizer.py")
         self.eod = self._sp.eos_id()
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
 
@@ -63,15 +84,19 @@ class HuggingFaceTokenizer:
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"{file} not found; --tokenizer-model takes a tokenizer.json "
-                                    f"or a folder holding one")
-        self._tok = Tokenizer.from_file(file)
+            raise DataError(f"{file} not found; --tokenizer-model takes a tokenizer.json "
+                            f"or a folder holding one")
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as error:  # the tokenizers library raises plain Exception for any unreadable file
+            raise DataError(f"{file} is not a Hugging Face tokenizer.json ({error})"
+                            f"{_other_kind_hint(file, 'HuggingFaceTokenizer')}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         config = _read_tokenizer_config(folder)
         eod = self._token_id(config.get("eos_token"), _EOD_CANDIDATES)
         if eod is None:
-            raise ValueError(f"{file} has none of the end-of-document tokens {list(_EOD_CANDIDATES)}; "
-                             f"add one, or name it as eos_token in tokenizer_config.json")
+            raise DataError(f"{file} has none of the end-of-document tokens {list(_EOD_CANDIDATES)}; "
+                            f"add one, or name it as eos_token in tokenizer_config.json")
         self.eod = eod
         self.pad = self._token_id(config.get("pad_token"), _PAD_CANDIDATES)
 
@@ -107,7 +132,7 @@ class NullTokenizer:
 
     def __init__(self, vocab_size: int | None):
         if vocab_size is None or vocab_size < 2:
-            raise ValueError(f"NullTokenizer needs --vocab-size of at least 2 (got {vocab_size})")
+            raise DataError(f"NullTokenizer needs --vocab-size of at least 2 (got {vocab_size})")
         self.vocab_size = int(vocab_size)
         self.eod = self.vocab_size - 1
         self.pad = None
@@ -116,8 +141,8 @@ class NullTokenizer:
         try:
             return [int(x) for x in text.split()]
         except ValueError:
-            raise ValueError(f"NullTokenizer reads space-separated token ids, got {text[:40]!r}; "
-                             f"use a real --tokenizer-type for raw text") from None
+            raise DataError(f"NullTokenizer reads space-separated token ids, got {text[:40]!r}; "
+                            f"use a real --tokenizer-type for raw text") from None
 
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
