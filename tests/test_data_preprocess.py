@@ -11,6 +11,7 @@ import pytest
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.preprocess import preprocess
 from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.errors import DataError
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = ["To be, or not to be, that is the question:", "", "Whether 'tis nobler in the mind to suffer\n"
@@ -155,3 +156,25 @@ def test_script_runs_from_the_repo_root_and_fails_in_one_line(tmp_path):
     assert failed.returncode != 0
     assert failed.stderr.strip().splitlines() == [f"preprocess_data.py: error: input {tmp_path}/none.jsonl "
                                                   f"not found; check --input"]
+
+
+def test_an_input_without_text_writes_no_dataset(tmp_path, tokenizer_json):
+    write_jsonl(tmp_path / "in.jsonl", ["", "", ""])
+    with pytest.raises(DataError, match=r"no documents with text under --json-keys text \(3 empty ones\); "
+                                        r"nothing was written"):
+        run([tmp_path / "in.jsonl"], tmp_path, tokenizer_json)
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_empty_input_files_are_refused_in_one_line(tmp_path):
+    (tmp_path / "a.jsonl").write_text("")
+    (tmp_path / "b.jsonl").write_text("")
+    failed = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(tmp_path / "a.jsonl"),
+                             str(tmp_path / "b.jsonl"), "--output-prefix", str(tmp_path / "out"),
+                             "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
+                            cwd=REPO, capture_output=True, text=True)
+    assert failed.returncode != 0
+    assert failed.stderr.strip().splitlines() == [
+        f"preprocess_data.py: error: every input file is empty ({tmp_path}/a.jsonl, {tmp_path}/b.jsonl); "
+        f"there are no documents to preprocess"]
+    assert not list(tmp_path.glob("out*"))

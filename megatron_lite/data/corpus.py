@@ -8,6 +8,8 @@ file and line to fix. A .txt file is one document.
 import json
 import os
 
+from megatron_lite.errors import DataError
+
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 
 
@@ -46,6 +48,8 @@ def resolve_inputs(inputs: list[str]) -> tuple[str, list[str]]:
     if len(formats) > 1:
         raise ValueError(f"inputs mix formats {sorted(formats)}; preprocess each format separately "
                          f"and join the outputs with tools/merge_datasets.py")
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise DataError(f"every input file is empty ({', '.join(files)}); there are no documents to preprocess")
     return formats.pop(), files
 
 

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from megatron_lite.data.corpus import load_corpus
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, check_dtype_holds, smallest_dtype
 from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.errors import DataError
 
 _BATCH_DOCUMENTS = 64
 
@@ -134,6 +135,7 @@ def _write(results, output_prefix: str, json_keys: list[str], dtype: np.dtype, t
                 bar.update(len(arrays))
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s",
                                     refresh=False)
+        _refuse_empty_outputs(stats)
         for builder in builders.values():
             builder.finalize()
     except BaseException:
@@ -141,3 +143,12 @@ def _write(results, output_prefix: str, json_keys: list[str], dtype: np.dtype, t
             builder.abort()
         raise
     return stats
+
+
+def _refuse_empty_outputs(stats: dict[str, PreprocessStats]) -> None:
+    """Raise DataError when a json key received no document with text: an empty dataset would only
+    fail later, at training time, far from the input that caused it."""
+    for key, s in stats.items():
+        if s.documents == 0:
+            raise DataError(f"the input holds no documents with text under --json-keys {key} "
+                            f"({s.empty_documents} empty ones); nothing was written to {s.prefix}.bin/.idx")
