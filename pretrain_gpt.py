@@ -70,12 +70,19 @@ def main(argv: list[str] | None = None) -> int:
         if world_size > 1:  # torchrun stops the other ranks at the first exit: give them time to report too
             time.sleep(2.0)
         return 2
+    from megatron_lite.parallel.lifecycle import as_timeout_error
     from megatron_lite.training import pretrain
 
     try:
         pretrain(config, model_provider, forward_step)
     except UserError as error:
         report(error, debug)
+        return 1
+    except RuntimeError as error:
+        timeout = as_timeout_error(error, config.training.distributed_timeout_minutes)
+        if timeout is None:
+            raise
+        report(timeout, debug)
         return 1
     return 0
 

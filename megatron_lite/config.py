@@ -100,6 +100,7 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000  # steps without overflow before the dynamic loss scale doubles
     hysteresis: int = 2  # overflows before the dynamic loss scale halves
+    check_for_nan_in_loss_and_grad: bool = True  # stop before applying a step whose loss or grad norm is not finite
 
 
 @dataclass
@@ -125,7 +126,6 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
-    check_for_nan_in_loss_and_grad: bool = True  # stop before applying a step whose loss or grad norm is not finite
     distributed_timeout_minutes: float = 10.0  # a collective that waits longer ends the run
 
 

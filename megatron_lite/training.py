@@ -7,6 +7,7 @@ batch, finalizes gradients (data-parallel reduction, loss normalisation), and st
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from megatron_lite.config import Config
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
+from megatron_lite.errors import TrainingDivergedError
 from megatron_lite.logging import TrainingLogger
 from megatron_lite.model.moe import moe_metrics, set_moe_loss_scale
 from megatron_lite.optim.distributed_optimizer import build_optimizer
@@ -26,7 +28,7 @@ from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.grad_buffer import DistributedDataParallel
 from megatron_lite.optim.lr_schedule import learning_rate
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.parallel import mappings
+from megatron_lite.parallel import lifecycle, mappings
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
 from megatron_lite.validation import pipeline_stage_layers
@@ -47,11 +49,10 @@ def initialize(config: Config) -> tuple[ParallelState, torch.device]:
     p = config.parallel
     layout = Layout(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, dp=p.data_parallel_size,
                     pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size)
-    if world_size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    pstate = ParallelState.build(layout) if world_size > 1 else ParallelState.single()
+    timeout = lifecycle.timeout_of(config.training.distributed_timeout_minutes)
+    if world_size > 1:
+        lifecycle.join(device, timeout)
+    pstate = ParallelState.build(layout, timeout) if world_size > 1 else ParallelState.single()
     torch.manual_seed(config.training.seed)
     return pstate, device
 
@@ -191,6 +192,9 @@ def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> float:
 
 def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,
                pstate: ParallelState, iteration: int, device) -> dict:
+    """Forward and backward over one global batch, then one optimizer step. With
+    --check-for-nan-in-loss-and-grad a non-finite loss or gradient norm stops the run before the step is
+    applied (every rank sees the same reduced values, so every rank stops)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     set_moe_loss_scale(model, optimizer.loss_scale)
@@ -198,10 +202,23 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
         forward_step_func, data_iterator, model, config.num_microbatches, pstate=pstate, config=config,
         loss_scale=optimizer.loss_scale)
     finalize_model_grads(model, pstate, tokens.to(device))
+    lm_loss = reduce_loss(reports, pstate, device)
+    check = config.optimizer.check_for_nan_in_loss_and_grad
+    if check and not math.isfinite(lm_loss):
+        raise _diverged(iteration, "lm loss", lm_loss)
     lr = learning_rate(config.optimizer, iteration)
     update_successful, grad_norm = optimizer.step(lr)
-    return {"lm_loss": reduce_loss(reports, pstate, device), "grad_norm": grad_norm, "lr": lr,
+    if check and not update_successful and not math.isfinite(grad_norm) and optimizer.grad_scaler is None:
+        raise _diverged(iteration, "grad norm", grad_norm)
+    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr,
             "loss_scale": optimizer.loss_scale, "skipped_iter": int(not update_successful)}
+
+
+def _diverged(iteration: int, which: str, value: float) -> TrainingDivergedError:
+    return TrainingDivergedError(
+        f"iteration {iteration + 1}: {which} is {value}; the step was not applied and nothing after iteration "
+        f"{iteration} was saved (lower --lr, raise --clip-grad or resume from the last checkpoint; "
+        f"--no-check-for-nan-in-loss-and-grad trains on)")
 
 
 @torch.no_grad()
@@ -223,8 +240,19 @@ def evaluate(forward_step_func, data_iterator, model, config: Config, pstate: Pa
 
 
 def pretrain(config: Config, model_provider, forward_step_func) -> list[dict]:
-    """Train `config.training.train_iters` iterations; returns the per-iteration metrics of this rank."""
+    """Train `config.training.train_iters` iterations; returns the per-iteration metrics of this rank.
+
+    However it ends (finished, exit interval or signal, error), the process groups this run created are
+    destroyed before returning, so the process exits with the status the run deserves."""
+    owns_process_group = not dist.is_initialized()
     pstate, device = initialize(config)
+    try:
+        return _train(config, pstate, device, model_provider, forward_step_func)
+    finally:
+        lifecycle.shutdown(owns_process_group)
+
+
+def _train(config: Config, pstate: ParallelState, device, model_provider, forward_step_func) -> list[dict]:
     set_vocab_size_from_tokenizer(config)
     model = build_model(config, pstate, model_provider, device)
     optimizer = build_optimizer(config, model, pstate)
@@ -240,40 +268,45 @@ def pretrain(config: Config, model_provider, forward_step_func) -> list[dict]:
     resume.restore_rng(model, device)  # after the data loaders, which draw from the generator when built
     is_logging_rank = pstate.rank == pstate.layout.world_size - 1
     logger = TrainingLogger(config, device, pstate.layout.world_size, is_logging_rank)
+    lifecycle.startup_barrier(pstate.timeout)
     history = []
     for chunk in model:
         chunk.train()
     logger.reset_timer()
     completed = resume.iteration
-    with ExitSignalHandler(t.exit_signal_handler) as signal_handler:
-        exit_conditions = ExitConditions(config, pstate, device, signal_handler)
-        for iteration in range(resume.iteration, t.train_iters):
-            metrics = train_step(forward_step_func, train_iterator, model, optimizer, config, pstate, iteration,
-                                 device)
-            consumed_samples += config.training.global_batch_size
-            completed = iteration + 1
-            metrics["consumed_samples"] = consumed_samples
-            if completed % config.logging.log_interval == 0:
-                metrics.update(moe_metrics(model, pstate, config))  # load balance over the log interval
-            history.append(metrics)
-            logger.log_iteration(iteration + 1, metrics)
-            if valid_iterator is not None and (iteration + 1) % config.training.eval_interval == 0:
-                logger.log_evaluation(iteration + 1, evaluate(forward_step_func, valid_iterator, model, config,
-                                                              pstate, device))
-                logger.reset_timer()
-            if checkpointer is not None:
-                checkpointer.maybe_finalize_async_save(blocking=False)
-            if c.save_interval and completed % c.save_interval == 0:
+    finished = False
+    try:
+        with ExitSignalHandler(t.exit_signal_handler) as signal_handler:
+            exit_conditions = ExitConditions(config, pstate, device, signal_handler)
+            for iteration in range(resume.iteration, t.train_iters):
+                metrics = train_step(forward_step_func, train_iterator, model, optimizer, config, pstate,
+                                     iteration, device)
+                consumed_samples += config.training.global_batch_size
+                completed = iteration + 1
+                metrics["consumed_samples"] = consumed_samples
+                if completed % config.logging.log_interval == 0:
+                    metrics.update(moe_metrics(model, pstate, config))  # load balance over the log interval
+                history.append(metrics)
+                logger.log_iteration(iteration + 1, metrics)
+                if valid_iterator is not None and (iteration + 1) % config.training.eval_interval == 0:
+                    logger.log_evaluation(iteration + 1, evaluate(forward_step_func, valid_iterator, model, config,
+                                                                  pstate, device))
+                    logger.reset_timer()
+                if checkpointer is not None:
+                    checkpointer.maybe_finalize_async_save(blocking=False)
+                if c.save_interval and completed % c.save_interval == 0:
+                    checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer)
+                    logger.reset_timer()
+                reason = exit_conditions.reason(completed)
+                if reason is not None:
+                    if pstate.rank == 0:
+                        print(f" exiting at iteration {completed}: {reason}", flush=True)
+                    break
+            if c.save:
                 checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer)
-                logger.reset_timer()
-            reason = exit_conditions.reason(completed)
-            if reason is not None:
-                if pstate.rank == 0:
-                    print(f" exiting at iteration {completed}: {reason}", flush=True)
-                break
-        if c.save:
-            checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer)
+        finished = True
+    finally:
         if checkpointer is not None:
-            checkpointer.close()
-    logger.close()
+            checkpointer.close(wait_for_peers=finished)
+        logger.close()
     return history

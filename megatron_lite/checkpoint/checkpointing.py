@@ -117,7 +117,7 @@ class Checkpointer:
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
         # A group of its own (gloo: the staged tensors live in CPU memory) so that a background save never
         # interleaves its collectives with the training loop's.
-        self.group = dist.new_group(backend="gloo") if self.distributed else None
+        self.group = dist.new_group(backend="gloo", timeout=pstate.timeout) if self.distributed else None
         self.is_coordinator = pstate.rank == 0
         self.executor = ThreadPoolExecutor(max_workers=1) if config.checkpoint.async_save else None
         self.pending: Future | None = None
@@ -200,8 +200,15 @@ class Checkpointer:
         if blocking:
             self._barrier()
 
-    def close(self) -> None:
-        self.maybe_finalize_async_save(blocking=True)
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Finish a background save. A run ending on an error passes `wait_for_peers=False`: the save in
+        flight (of a good iteration) still completes where every rank gets this far, but no barrier waits
+        for ranks that may never arrive."""
+        if wait_for_peers:
+            self.maybe_finalize_async_save(blocking=True)
+        elif self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.exception()
         if self.executor is not None:
             self.executor.shutdown()
 

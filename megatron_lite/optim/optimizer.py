@@ -118,13 +118,16 @@ class Optimizer:
     @torch.no_grad()
     def step(self, lr: float) -> tuple[bool, float]:
         """Unscale, clip, update. Returns (whether the update happened, gradient norm before clipping);
-        an fp16 step with overflowing gradients is skipped and its norm is NaN."""
+        an fp16 step with overflowing gradients is skipped and its norm is NaN. With
+        --check-for-nan-in-loss-and-grad a step whose gradient norm is not finite is not applied either."""
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check()
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, float("nan")
         norm = self.grad_norm()
+        if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
+            return False, norm
         clip = self.config.clip_grad / (norm + 1e-6) if self.config.clip_grad > 0 else 1.0
         if clip < 1.0 and self.ranges:
             torch._foreach_mul_(self._grads(), clip)

@@ -25,6 +25,7 @@ one in the same process).
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -132,27 +133,29 @@ class ParallelState:
     """The process groups of one layout, and this rank's place in it."""
 
     def __init__(self, layout: Layout, rank: int, groups: dict[str, dist.ProcessGroup | None],
-                 pp_ranks: list[int]):
+                 pp_ranks: list[int], timeout: datetime.timedelta | None = None):
         self.layout = layout
+        self.timeout = timeout  # of every group here; groups created later for this layout should use it
         self.rank = rank
         self.coords = rank_coordinates(rank, layout)
         self._groups = groups
         self.pp_ranks = pp_ranks  # global ranks of this rank's pipeline, stage order
 
     @classmethod
-    def build(cls, layout: Layout) -> ParallelState:
-        """Create every group of `layout` on the default process group (a collective on all ranks)."""
+    def build(cls, layout: Layout, timeout: datetime.timedelta | None = None) -> ParallelState:
+        """Create every group of `layout` on the default process group (a collective on all ranks); a
+        collective that waits longer than `timeout` (torch's default when None) fails."""
         world = dist.get_world_size()
         if layout.world_size != world:
             raise ValueError(f"layout {layout} needs {layout.world_size} ranks but the world has {world}")
         rank = dist.get_rank()
         groups: dict[str, dist.ProcessGroup | None] = {}
         for kind in _GROUP_KINDS:
-            groups[kind] = _new_groups_containing(rank, group_ranks(layout, kind))
-        groups["embedding"] = _new_groups_containing(rank, embedding_group_ranks(layout))
+            groups[kind] = _new_groups_containing(rank, group_ranks(layout, kind), timeout)
+        groups["embedding"] = _new_groups_containing(rank, embedding_group_ranks(layout), timeout)
         groups["world"] = dist.group.WORLD if world > 1 else None
         pp_ranks = next(r for r in group_ranks(layout, "pp") if rank in r)
-        return cls(layout, rank, groups, pp_ranks)
+        return cls(layout, rank, groups, pp_ranks, timeout)
 
     @classmethod
     def single(cls) -> ParallelState:
@@ -230,7 +233,8 @@ class ParallelState:
         return f"ParallelState(rank={self.rank}, {self.layout}, {self.coords})"
 
 
-def _new_groups_containing(rank: int, all_ranks: list[list[int]]) -> dist.ProcessGroup | None:
+def _new_groups_containing(rank: int, all_ranks: list[list[int]],
+                           timeout: datetime.timedelta | None) -> dist.ProcessGroup | None:
     """Create every group of one kind (all ranks must call new_group for each); keep this rank's own.
 
     Groups of one rank are never created: the collectives of a size-1 group are identities and the
@@ -240,7 +244,7 @@ def _new_groups_containing(rank: int, all_ranks: list[list[int]]) -> dist.Proces
     for ranks in all_ranks:
         if len(ranks) == 1:
             continue
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine
