@@ -271,26 +271,90 @@ def make_config(values: dict, world_size: int = 1) -> Config:
 
 
 def _read_yaml(path: str) -> dict:
+    """Flag values (by field name) from a YAML file, each checked against its flag's type."""
     try:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise ConfigError(f"--config file not found: {path}") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read --config {path} ({error.strerror})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--config {path}{_yaml_error_line(error)}: not valid YAML "
+                          f"({getattr(error, 'problem', None) or error})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path} must hold a mapping of flag names to values")
-    return {key.replace("-", "_"): value for key, value in raw.items()}
+    fields = {f.name: f for section in dataclasses.fields(Config)
+              for f in dataclasses.fields(section.default_factory()) if f.name not in _DERIVED}
+    values = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            raise ConfigError(f"unknown configuration key '{name}' in --config {path}; see pretrain_gpt.py --help")
+        values[name] = _yaml_value(fields[name], key, value, path)
+    return values
+
+
+def _yaml_error_line(error: yaml.YAMLError) -> str:
+    """':LINE' (1-based) where the parser gave up, or '' when it did not say."""
+    mark = getattr(error, "problem_mark", None)
+    return f":{mark.line + 1}" if mark is not None else ""
+
+
+_YAML_TYPE_NAMES = {bool: "true or false (a YAML bool, unquoted)", int: "an integer", float: "a number",
+                    str: "a string (quote it)", list: "a list of strings, or one string"}
+
+
+def _yaml_value(f: dataclasses.Field, key, value, path: str):
+    """`value` as its flag's type, or a ConfigError naming the key and the file.
+
+    YAML types values itself: `mock_data: "false"` is a string, which Python takes as true, and
+    `split: 100` is an int. argparse would refuse or convert these, so we check them as strictly. One
+    leniency: PyYAML (YAML 1.1) reads `lr: 3e-4` as a string, so a float flag takes a numeric string.
+    """
+    kind = _value_type(f)
+    if value is None and "None" in str(f.type):
+        return None
+    if kind is bool and isinstance(value, bool):
+        return value
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int and is_number and isinstance(value, int):
+        return value
+    if kind is float and (is_number or isinstance(value, str)):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if kind is str and isinstance(value, str):
+        choices = _CHOICES.get(f.name)
+        if choices and value not in choices:
+            raise ConfigError(f"--config {path}: {key} is {value!r}; choose one of {', '.join(choices)}")
+        return value
+    if kind is list:
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list) and items and all(
+                isinstance(item, str) or (isinstance(item, (int, float)) and not isinstance(item, bool))
+                for item in items):
+            return [str(item) for item in items]
+    raise ConfigError(f"--config {path}: {key} must be {_YAML_TYPE_NAMES[kind]}, "
+                      f"got {type(value).__name__} {value!r}")
 
 
 def _fill_defaults(config: Config, world_size: int) -> None:
     m, p, t, o = config.model, config.parallel, config.training, config.optimizer
-    m.ffn_hidden_size = m.ffn_hidden_size or 4 * m.hidden_size
-    m.moe_ffn_hidden_size = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    m.ffn_hidden_size = _default_if_unset(m.ffn_hidden_size, 4 * m.hidden_size)
+    m.moe_ffn_hidden_size = _default_if_unset(m.moe_ffn_hidden_size, m.ffn_hidden_size)
     if not m.group_query_attention or m.num_query_groups is None:
         m.num_query_groups = m.num_attention_heads
-    m.max_position_embeddings = m.max_position_embeddings or m.seq_length
+    m.max_position_embeddings = _default_if_unset(m.max_position_embeddings, m.seq_length)
     model_parallel = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
-    p.data_parallel_size = max(world_size // model_parallel, 1)
+    p.data_parallel_size = max(world_size // model_parallel, 1) if model_parallel > 0 else 1
     if p.use_distributed_optimizer and p.data_parallel_sharding_strategy == "no_shard":
         p.data_parallel_sharding_strategy = "optim_grads"
-    t.global_batch_size = t.global_batch_size or t.micro_batch_size * p.data_parallel_size
-    o.lr_decay_iters = o.lr_decay_iters or t.train_iters
+    t.global_batch_size = _default_if_unset(t.global_batch_size, t.micro_batch_size * p.data_parallel_size)
+    o.lr_decay_iters = _default_if_unset(o.lr_decay_iters, t.train_iters)
+
+
+def _default_if_unset(value, default):
+    """`default` only for a flag left unset: an explicit 0 stays, for validation to refuse."""
+    return default if value is None else value
