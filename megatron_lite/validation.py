@@ -6,6 +6,7 @@ together as one ConfigError, so a bad layout fails on every rank before any coll
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -21,9 +22,52 @@ class ConfigError(UserError, ValueError):
 
 def validate(config: Config, world_size: int) -> None:
     """Check everything that can be checked before a process group exists; raise one ConfigError."""
-    problems = _layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
+    problems = _value_problems(config)
+    if not problems:  # the checks below divide by sizes that must first be known to be positive
+        problems = _layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+# The smallest value of each count or size flag; an unset (None) optional flag is not checked.
+_INT_MINIMUMS = {
+    "num_layers": 1, "hidden_size": 1, "ffn_hidden_size": 1, "num_attention_heads": 1, "num_query_groups": 1,
+    "seq_length": 1, "max_position_embeddings": 1, "vocab_size": 2, "make_vocab_size_divisible_by": 1,
+    "num_experts": 1, "moe_router_topk": 1, "moe_ffn_hidden_size": 1, "moe_layer_freq": 1,
+    "recompute_num_layers": 1, "tensor_model_parallel_size": 1, "context_parallel_size": 1,
+    "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1, "num_layers_per_virtual_pipeline_stage": 1,
+    "decoder_first_pipeline_num_layers": 0, "decoder_last_pipeline_num_layers": 0,
+    "lr_warmup_iters": 0, "lr_decay_iters": 1, "loss_scale_window": 1, "hysteresis": 1, "num_workers": 0,
+    "micro_batch_size": 1, "global_batch_size": 1, "train_iters": 1, "eval_interval": 1, "eval_iters": 0,
+    "seed": 0, "exit_interval": 1, "save_interval": 1, "keep_last_n": 1, "ckpt_step": 0, "log_interval": 1,
+}
+_POSITIVE_FLOATS = {"rotary_base", "norm_epsilon", "moe_expert_capacity_factor", "loss_scale", "initial_loss_scale",
+                    "min_loss_scale", "exit_duration_in_mins", "distributed_timeout_minutes", "peak_tflops"}
+_NON_NEGATIVE_FLOATS = {"lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "init_method_std",
+                        "moe_aux_loss_coeff", "moe_z_loss_coeff"}
+_FRACTIONS = {"hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"}  # in [0, 1)
+
+
+def _value_problems(config: Config) -> list[str]:
+    """Numbers outside what their flag can mean: every float must be finite (a NaN or infinite lr or
+    epsilon trains NaN to the end), counts and sizes at least their minimum, rates and betas in [0, 1)."""
+    problems = []
+    for section in dataclasses.fields(config):
+        for f in dataclasses.fields(getattr(config, section.name)):
+            value, flag = getattr(getattr(config, section.name), f.name), f.name.replace("_", "-")
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{flag} ({value}) must be a finite number")
+            elif f.name in _INT_MINIMUMS and value < _INT_MINIMUMS[f.name]:
+                problems.append(f"{flag} ({value}) must be at least {_INT_MINIMUMS[f.name]}")
+            elif f.name in _POSITIVE_FLOATS and value <= 0:
+                problems.append(f"{flag} ({value}) must be positive")
+            elif f.name in _NON_NEGATIVE_FLOATS and value < 0:
+                problems.append(f"{flag} ({value}) must not be negative")
+            elif f.name in _FRACTIONS and not 0 <= value < 1:
+                problems.append(f"{flag} ({value}) must be at least 0 and below 1")
+    return problems
 
 
 def _layout_problems(config: Config, world_size: int) -> list[str]:
@@ -31,12 +75,6 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
     tp, cp, pp, ep = (p.tensor_model_parallel_size, p.context_parallel_size,
                       p.pipeline_model_parallel_size, p.expert_model_parallel_size)
     problems = []
-    for name, size in (("tensor-model-parallel-size", tp), ("context-parallel-size", cp),
-                       ("pipeline-model-parallel-size", pp), ("expert-model-parallel-size", ep)):
-        if size < 1:
-            problems.append(f"{name} ({size}) must be at least 1")
-    if problems:
-        return problems
     if world_size % (tp * cp * pp):
         problems.append(
             f"world size ({world_size}) must be divisible by tensor-model-parallel-size ({tp}) x "
@@ -118,7 +156,7 @@ def _pipeline_split_problems(config: Config) -> list[str]:
         if first is not None or last is not None:
             return ["--num-layers-per-virtual-pipeline-stage cannot be combined with an uneven split"]
         per_stage = m.num_layers // pp
-        if vp_layers < 1 or per_stage % vp_layers:
+        if per_stage % vp_layers:
             return [f"layers per pipeline stage ({per_stage}) must be divisible by "
                     f"num-layers-per-virtual-pipeline-stage ({vp_layers})"]
         if config.num_microbatches % pp:
@@ -146,13 +184,6 @@ def _model_problems(config: Config) -> list[str]:
         if m.moe_router_topk > m.num_experts:
             problems.append(f"moe-router-topk ({m.moe_router_topk}) must not exceed num-experts "
                             f"({m.num_experts})")
-        if m.moe_layer_freq < 1:
-            problems.append("moe-layer-freq must be at least 1")
-        if m.moe_router_topk < 1:
-            problems.append(f"moe-router-topk ({m.moe_router_topk}) must be at least 1")
-        if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
-            problems.append(f"moe-expert-capacity-factor ({m.moe_expert_capacity_factor}) must be positive; "
-                            f"leave it unset for dropless routing")
         if not m.disable_bias_linear:
             problems.append("MoE experts have no biases: pass --disable-bias-linear with --num-experts")
     if m.recompute_num_layers is not None and m.recompute_granularity != "full":
@@ -161,18 +192,12 @@ def _model_problems(config: Config) -> list[str]:
 
 
 def _checkpoint_problems(config: Config) -> list[str]:
-    c, t = config.checkpoint, config.training
+    c = config.checkpoint
     problems = []
     if c.save_interval is not None and not c.save:
         problems.append("--save-interval needs --save DIR")
     if c.async_save and not c.save:
         problems.append("--async-save needs --save DIR")
-    for name, value in (("save-interval", c.save_interval), ("keep-last-n", c.keep_last_n),
-                        ("exit-interval", t.exit_interval)):
-        if value is not None and value < 1:
-            problems.append(f"{name} must be at least 1, got {value}")
-    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
-        problems.append(f"exit-duration-in-mins must be positive, got {t.exit_duration_in_mins}")
     if (c.finetune or c.no_load_optim or c.no_load_rng) and not c.load:
         problems.append("--finetune / --no-load-optim / --no-load-rng need --load DIR")
     return problems
@@ -191,18 +216,16 @@ def _run_problems(config: Config) -> list[str]:
         problems.append("--tensorboard-dir is not supported; follow the run with --wandb-project or --metrics-jsonl")
     if d.mock_data and not m.vocab_size:
         problems.append("--mock-data needs --vocab-size (or a --model-preset that sets it)")
+    if not d.mock_data and d.tokenizer_type == "NullTokenizer" and not m.vocab_size:
+        problems.append("--tokenizer-type NullTokenizer needs --vocab-size (the number of token ids in the data)")
+    if not d.mock_data and d.tokenizer_type != "NullTokenizer" and not d.tokenizer_model:
+        problems.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model PATH")
     if o.bf16 and o.fp16:
         problems.append("choose one of --bf16 and --fp16")
     if o.min_lr > o.lr:
         problems.append(f"min-lr ({o.min_lr}) must not exceed lr ({o.lr})")
-    if t.train_iters < 1:
-        problems.append("train-iters must be at least 1")
-    if t.micro_batch_size < 1:
-        problems.append("micro-batch-size must be at least 1")
     problems += _checkpoint_problems(config)
     problems += _optimizer_problems(config)
-    if not math.isfinite(o.lr) or o.lr < 0:
-        problems.append(f"lr must be a non-negative number, got {o.lr}")
     return problems
 
 
@@ -211,13 +234,6 @@ def _optimizer_problems(config: Config) -> list[str]:
     problems = []
     if o.loss_scale is not None and not o.fp16:
         problems.append("--loss-scale only applies with --fp16 (bf16 and fp32 need no loss scaling)")
-    for name, value in (("loss-scale", o.loss_scale), ("initial-loss-scale", o.initial_loss_scale),
-                        ("min-loss-scale", o.min_loss_scale)):
-        if value is not None and not value > 0:
-            problems.append(f"{name} must be positive, got {value}")
-    if o.hysteresis < 1 or o.loss_scale_window < 1:
-        problems.append(f"hysteresis ({o.hysteresis}) and loss-scale-window ({o.loss_scale_window}) must be at "
-                        f"least 1")
     if p.overlap_param_gather and p.data_parallel_sharding_strategy == "no_shard":
         problems.append("--overlap-param-gather needs --use-distributed-optimizer (or a "
                         "--data-parallel-sharding-strategy other than no_shard)")

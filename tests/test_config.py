@@ -1,8 +1,11 @@
 """Configuration: presets, YAML files and flags combine in the documented order; problems are one line each."""
 
+import dataclasses
+import math
+
 import pytest
 
-from megatron_lite.config import ConfigError, build_parser, make_config, parse_config
+from megatron_lite.config import Config, ConfigError, build_parser, make_config, parse_config
 from megatron_lite.presets import MODEL_PRESETS
 
 
@@ -66,3 +69,80 @@ def test_data_path_is_required_without_mock_data():
 def test_tensorboard_is_refused_rather_than_ignored():
     with pytest.raises(ConfigError, match="--tensorboard-dir is not supported"):
         make_config({"model_preset": "llama-tiny", "mock_data": True, "tensorboard_dir": "tb"}, world_size=1)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('mock_data: "false"', r"run.yaml: mock_data must be true or false \(a YAML bool, unquoted\), got str 'false'"),
+    ("micro-batch-size: 2.5", "run.yaml: micro-batch-size must be an integer, got float 2.5"),
+    ("train_iters: true", "run.yaml: train_iters must be an integer, got bool True"),
+    ("lr: fast", "run.yaml: lr must be a number, got str 'fast'"),
+    ("split: 100", r"run.yaml: split must be a string \(quote it\), got int 100"),
+    ("normalization: rmsnorm", "run.yaml: normalization is 'rmsnorm'; choose one of LayerNorm, RMSNorm"),
+    ("data_path: {a: 1}", "run.yaml: data_path must be a list of strings, or one string, got dict"),
+    ("num_layers:", "run.yaml: num_layers must be an integer, got NoneType None"),
+])
+def test_yaml_values_are_typed_like_their_flags(tmp_path, line, message):
+    (tmp_path / "run.yaml").write_text(f"model_preset: llama-tiny\n{line}\n")
+    with pytest.raises(ConfigError, match=message) as error:
+        parse_config(["--config", str(tmp_path / "run.yaml")], world_size=1)
+    assert "\n" not in str(error.value)
+
+
+def test_yaml_values_of_the_right_type_are_taken(tmp_path):
+    (tmp_path / "run.yaml").write_text("model_preset: llama-tiny\nmock_data: false\nlr: 3e-4\nmin_lr: 0\n"
+                                       "split: '98,2,0'\ndata_path: [0.3, a, 0.7, b]\nffn_hidden_size: null\n")
+    config = parse_config(["--config", str(tmp_path / "run.yaml")], world_size=1)
+    assert config.data.mock_data is False
+    assert config.optimizer.lr == 3e-4 and isinstance(config.optimizer.min_lr, float)  # YAML 1.1 reads 3e-4 as text
+    assert config.data.split == "98,2,0" and config.data.data_path == ["0.3", "a", "0.7", "b"]
+    assert config.model.ffn_hidden_size == 4 * config.model.hidden_size
+    (tmp_path / "one.yaml").write_text("mock_data: true\nvocab_size: 64\ndata_path: corpus_text_document\n")
+    assert parse_config(["--config", str(tmp_path / "one.yaml")]).data.data_path == ["corpus_text_document"]
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    (tmp_path / "run.yaml").write_text("mock_data: true\nlr: [0.1\nseed: 3\n")
+    with pytest.raises(ConfigError, match=r"--config .*run.yaml:3: not valid YAML") as error:
+        parse_config(["--config", str(tmp_path / "run.yaml")], world_size=1)
+    assert "\n" not in str(error.value)
+
+
+FLOAT_FLAGS = [f.name for section in dataclasses.fields(Config) for f in dataclasses.fields(section.default_factory())
+               if str(f.type).startswith("float")]
+
+
+@pytest.mark.parametrize("name", FLOAT_FLAGS)
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_every_float_flag_must_be_finite(name, value):
+    with pytest.raises(ConfigError, match=rf"{name.replace('_', '-')} \({value}\) must be a finite number"):
+        make_config({"model_preset": "llama-tiny", "mock_data": True, name: value}, world_size=1)
+
+
+def test_non_finite_floats_are_refused_from_the_command_line():
+    with pytest.raises(ConfigError, match=r"min-lr \(nan\) must be a finite number; adam-eps \(inf\) must be"):
+        parse_config(["--model-preset", "llama-tiny", "--mock-data", "--min-lr", "nan", "--adam-eps", "inf"])
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"micro_batch_size": 0}, r"micro-batch-size \(0\) must be at least 1"),
+    ({"global_batch_size": 0}, r"global-batch-size \(0\) must be at least 1"),
+    ({"global_batch_size": -8}, r"global-batch-size \(-8\) must be at least 1"),
+    ({"num_attention_heads": 0}, r"num-attention-heads \(0\) must be at least 1"),
+    ({"tensor_model_parallel_size": 0}, r"tensor-model-parallel-size \(0\) must be at least 1"),
+    ({"eval_interval": 0, "seq_length": -1}, r"seq-length \(-1\) must be at least 1; eval-interval \(0\) must be"),
+    ({"hidden_dropout": 1.5}, r"hidden-dropout \(1.5\) must be at least 0 and below 1"),
+    ({"lr": -1e-3}, r"lr \(-0.001\) must not be negative"),
+])
+def test_sizes_and_counts_out_of_range_are_one_line_errors(values, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        make_config({"model_preset": "llama-tiny", "mock_data": True, **values}, world_size=1)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"tokenizer_type": "NullTokenizer", "vocab_size": None}, "--tokenizer-type NullTokenizer needs --vocab-size"),
+    ({"tokenizer_type": "SentencePieceTokenizer"}, "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model"),
+])
+def test_a_tokenizer_without_its_file_or_vocabulary_is_refused_before_training(values, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config({"model_preset": "llama-tiny", "data_path": ["corpus_text_document"], **values}, world_size=1)
