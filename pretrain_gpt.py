@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_lite.parallel.lifecycle import as_timeout_error
     from megatron_lite.training import pretrain
 
+    debug = debug or config.logging.debug
     try:
         pretrain(config, model_provider, forward_step)
     except UserError as error:
