@@ -17,18 +17,21 @@ import torch
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.model.moe import moe_layer_numbers
 
-# Dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, without sparsity).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0,
-               "A6000": 155.0, "V100": 125.0, "4090": 165.0, "3090": 71.0, "MI300X": 1307.0}
+# Dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, without sparsity), matched against
+# torch.cuda.get_device_name in this order: the most specific name first (H100 PCIe / NVL before H100).
+PEAK_TFLOPS = (("H200 NVL", 835.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+               ("A100", 312.0), ("A10G", 125.0), ("L40S", 362.0), ("L4", 121.0),
+               ("A6000", 155.0), ("V100", 125.0), ("4090", 165.0), ("3090", 71.0), ("MI300X", 1307.0))
 
 
-def training_flops_per_token(config: ModelConfig, recompute: bool = False) -> float:
+def training_flops_per_token(config: ModelConfig) -> float:
     """Model FLOPs to train on one token, counting matrix multiplies only (as PaLM's MFU, appendix B).
 
     Forward: 2 FLOPs per weight of every linear layer (QKV, attention output, MLP or the top-k experts a
     token visits, output layer) plus the attention scores and weighted sum, 2 * 2 * seq * hidden per
-    layer (the full square, as Megatron counts it). Backward costs twice the forward; full activation
-    recomputation adds one more forward.
+    layer (the full square, as Megatron counts it). Backward costs twice the forward. Activation
+    recomputation is not counted: it is work the hardware does, not work the model needs, so MFU stays
+    comparable between runs with and without it.
     """
     h, s, L = config.hidden_size, config.seq_length, config.num_layers
     kv = config.num_query_groups * config.head_dim
@@ -42,7 +45,7 @@ def training_flops_per_token(config: ModelConfig, recompute: bool = False) -> fl
     else:
         mlp_weights = L * dense_mlp
     forward = 2 * (L * attention_weights + mlp_weights + h * config.vocab_size) + L * 4 * s * h
-    return forward * (4 if recompute else 3)
+    return forward * 3
 
 
 def device_peak_tflops(device: torch.device, override: float | None) -> float | None:
@@ -50,8 +53,12 @@ def device_peak_tflops(device: torch.device, override: float | None) -> float | 
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+    return peak_tflops_of(torch.cuda.get_device_name(device))
+
+
+def peak_tflops_of(device_name: str) -> float | None:
+    """The table's dense bf16 peak for a CUDA device name such as 'NVIDIA H100 PCIe', or None."""
+    return next((peak for key, peak in PEAK_TFLOPS if key in device_name), None)
 
 
 def memory_gib(device: torch.device) -> float:
@@ -69,7 +76,7 @@ class TrainingLogger:
         self.device = device
         self.world_size = world_size
         self.enabled = enabled
-        self.flops_per_token = training_flops_per_token(config.model, config.model.recompute_granularity == "full")
+        self.flops_per_token = training_flops_per_token(config.model)
         self.peak_tflops = device_peak_tflops(device, config.logging.peak_tflops)
         self.tokens_per_iteration = config.training.global_batch_size * config.model.seq_length
         self.last_time = time.perf_counter()

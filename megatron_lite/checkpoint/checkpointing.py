@@ -11,11 +11,21 @@ range of a parameter's TP shard, whole for the plain optimizer, 1/d of it under 
 of the global tensors. Every rank writes only the boxes it holds, in parallel; boxes held by several ranks
 (data-parallel replicas, the last stage's copy of tied embeddings) are written once.
 
+Each rank records the size and CRC-32 of the files it wrote; the coordinator commits only when every
+file is there (checkpoint/checksums.py) and stores the records in `metadata.json`. A load verifies them,
+spread over the ranks, before reading any tensor, and every stored model tensor must be loaded by some
+rank: a checkpoint of a bigger model is an error, not a partial load. The iteration loaded is the newest
+complete one, or `--ckpt-step N`; a tracker file naming a missing iteration is an error
+(checkpoint/directory.py). A run holds `--save` exclusively from start-up to close, after checking that
+every rank can write there (checkpoint/save_lock.py). Problems that only some ranks can see are agreed
+over the checkpoint group first (checkpoint/agreement.py), so every rank stops with the same one-line
+error and none waits in a collective.
+
 An asynchronous save copies the boxes this rank writes to CPU memory (the only time training waits; the
-buffers are kept for the next save, so later copies cost no page faults) and writes them from a background
-thread over a process group of its own, so the training loop's collectives never interleave with the
-save's. The next save, or the end of the run, waits for it; the coordinator commits it
-(checkpoint/directory.py) as soon as every rank has written.
+buffers are kept for the next save, so later copies cost no page faults), then writes and checksums them
+from a background thread over a process group of its own, so the training loop's collectives never
+interleave with the save's. The next save, or the end of the run, waits for it; the coordinator commits
+it (checkpoint/directory.py) as soon as every rank has written.
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_lite.checkpoint import directory
+from megatron_lite.checkpoint import checksums, directory
+from megatron_lite.checkpoint.agreement import agree, all_gather, decided_by_coordinator, rank_and_size
 from megatron_lite.checkpoint.planner import (
     CheckpointError,
     SafeFileSystemReader,
@@ -44,6 +55,7 @@ from megatron_lite.checkpoint.planner import (
     state_dict_of,
 )
 from megatron_lite.checkpoint.rng_state import layout_tag, rng_states, set_rng_states
+from megatron_lite.checkpoint.save_lock import SaveLock, unwritable
 from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config import Config
 from megatron_lite.optim.param_and_grad_buffer import FlatShard
@@ -123,6 +135,23 @@ class Checkpointer:
         self.pending: Future | None = None
         self.last_saved_iteration: int | None = None
         self.staging: dict[tuple, torch.Tensor] = {}  # CPU copies of the last async save, reused
+        self.save_lock = self._claim_save_directory() if config.checkpoint.save else None
+
+    def _claim_save_directory(self) -> SaveLock | None:
+        """Refuse, on every rank and before any work, a --save directory that some rank cannot write or that
+        another run holds; the coordinator holds the lock until `close`."""
+        root = self.config.checkpoint.save
+        problem = unwritable(root)
+        lock = None
+        if self.is_coordinator and problem is None:
+            lock, problem = SaveLock.acquire(root)
+        try:
+            agree(problem, self.group)
+        except CheckpointError:
+            if lock is not None:
+                lock.release()
+            raise
+        return lock
 
     # -----------------------------------------------------------------------------------------------------
     # Save
@@ -154,7 +183,6 @@ class Checkpointer:
         self.last_saved_iteration = iteration
         if self.executor is None:
             self._write(pieces, root, iteration, metadata)
-            self._barrier()
         else:
             self.pending = self.executor.submit(self._write, self._stage(pieces), root, iteration, metadata)
         return time.perf_counter() - start
@@ -178,27 +206,47 @@ class Checkpointer:
         return staged
 
     def _write(self, pieces: list[ShardedTensor], root: str, iteration: int, metadata: dict) -> None:
-        """Write this rank's boxes, then, once every rank has written, commit on the coordinator."""
+        """Write and checksum this rank's boxes; once every rank has, the coordinator commits, and every rank
+        learns whether it did."""
         start = time.perf_counter()
+        temporary = directory.temporary_path(root, iteration)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
             written = dcp.save(state_dict_of(pieces), planner=ShardedSavePlanner(pieces),
-                               storage_writer=dcp.FileSystemWriter(directory.temporary_path(root, iteration)),
+                               storage_writer=dcp.FileSystemWriter(temporary),
                                process_group=self.group, no_dist=not self.distributed)
-        if self.is_coordinator:
-            path = directory.commit(root, iteration, metadata, self.config.checkpoint.keep_last_n)
-            seconds = time.perf_counter() - start
-            print(f" saved checkpoint at iteration {iteration} to {path} ({stored_bytes(written) / 1e6:.1f} MB "
-                  f"in {seconds:.2f} s)", flush=True)
+        records, problem = _records_of_own_files(temporary, checksums.files_written_by(pieces, written))
+        everyone = all_gather((records, problem), self.group)
+        problem = next((p for _, p in everyone if p is not None), None)
+        if self.is_coordinator and problem is None:
+            files = {name: record for records, _ in everyone for name, record in records.items()}
+            problem = self._commit(root, iteration, metadata, files, stored_bytes(written), start)
+        agree(problem, self.group)
+
+    def _commit(self, root: str, iteration: int, metadata: dict, files: dict, nbytes: int, start: float) -> str | None:
+        """Commit on the coordinator (DCP's index is checksummed here, where it was written); returns why
+        it could not, for every rank to raise."""
+        temporary = directory.temporary_path(root, iteration)
+        records, problem = _records_of_own_files(temporary, [checksums.DCP_INDEX_FILE])
+        if problem is not None:
+            return problem
+        try:
+            path = directory.commit(root, iteration, {**metadata, "files": {**files, **records}},
+                                    self.config.checkpoint.keep_last_n)
+        except CheckpointError as error:
+            return str(error)
+        except OSError as error:
+            return f"cannot commit the checkpoint of iteration {iteration} in {root}: {error}"
+        print(f" saved checkpoint at iteration {iteration} to {path} ({nbytes / 1e6:.1f} MB "
+              f"in {time.perf_counter() - start:.2f} s)", flush=True)
+        return None
 
     def maybe_finalize_async_save(self, blocking: bool) -> None:
         """Finish a background save: re-raise its error; with `blocking`, wait for it on every rank."""
         if self.pending is None or not (blocking or self.pending.done()):
             return
         pending, self.pending = self.pending, None
-        pending.result()
-        if blocking:
-            self._barrier()
+        pending.result()  # every rank's save ends with the agreed commit: no barrier needed
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Finish a background save. A run ending on an error passes `wait_for_peers=False`: the save in
@@ -211,6 +259,8 @@ class Checkpointer:
             pending.exception()
         if self.executor is not None:
             self.executor.shutdown()
+        if self.save_lock is not None:  # the save directory is free for the next run
+            self.save_lock.release()
 
     def _barrier(self) -> None:
         if self.group is not None:
@@ -219,20 +269,12 @@ class Checkpointer:
     # -----------------------------------------------------------------------------------------------------
     # Load
 
-    def _agreed_iteration(self, root: str) -> int | None:
-        """The newest complete iteration under `root` as the coordinator sees it, on every rank."""
-        found = torch.tensor([-1], dtype=torch.int64)
-        if self.is_coordinator:
-            latest = directory.latest_iteration(root)
-            found[0] = -1 if latest is None else latest
-        if self.group is not None:
-            dist.broadcast(found, src=0, group=self.group)
-        return None if found.item() < 0 else int(found.item())
-
     def load_checkpoint(self, model: list, optimizer) -> ResumeState:
-        """Load the newest complete checkpoint of --load into the model (and optimizer, RNG, position)."""
+        """Load the newest complete checkpoint of --load (or --ckpt-step's) into the model (and optimizer, RNG,
+        position), after verifying its files."""
         c = self.config.checkpoint
-        iteration = self._agreed_iteration(c.load)
+        iteration = decided_by_coordinator(lambda: directory.iteration_to_load(c.load, c.ckpt_step), self.group,
+                                           self.is_coordinator)
         if iteration is None:
             if c.finetune:
                 raise CheckpointError(f"--finetune needs a checkpoint, but --load {c.load} holds none")
@@ -240,6 +282,7 @@ class Checkpointer:
             return ResumeState()
         path = directory.checkpoint_path(c.load, iteration)
         saved = directory.read_metadata(path)
+        self._verify_files(path, saved.get("files"), lambda: directory.previous_complete(c.load, iteration))
         stored = SafeFileSystemReader(path).read_metadata()
         pieces = model_sharded_state_dict(model, self.pstate)
         optimizer_state = None
@@ -255,7 +298,7 @@ class Checkpointer:
             else:
                 self._log(f" random generator states not restored: saved in layout {saved.get('rng_layout')}, "
                           f"running in {tag}")
-        self._agree_loadable(pieces, stored, path)
+        self._agree_loadable(pieces, stored, path, saved.get("config", {}).get("model", {}))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load(state_dict_of(pieces), planner=ShardedLoadPlanner(pieces),
@@ -271,21 +314,57 @@ class Checkpointer:
         self.last_saved_iteration = iteration
         return ResumeState(iteration, saved["consumed_samples"], rng)
 
-    def _agree_loadable(self, pieces: list[ShardedTensor], stored, path: str) -> None:
-        """Raise on every rank if any rank cannot find what it needs, before the collective load starts."""
+    def _verify_files(self, path: str, records: dict | None, fallback) -> None:
+        """Check every file against the size and CRC-32 recorded at save, each rank a share of the bytes;
+        `fallback()` says what to load instead."""
+        if records is None:
+            self._log(f" {path} was saved without checksums: loading it unverified")
+            return
+        damage = checksums.damaged_file(path, records, checksums.share_of(records, *rank_and_size(self.group)))
+        agree(None if damage is None else f"checkpoint {path} is damaged: {damage}; {fallback()}", self.group)
+
+    def _agree_loadable(self, pieces: list[ShardedTensor], stored, path: str, saved_model: dict) -> None:
+        """Raise on every rank if any rank cannot find what it needs, or if the checkpoint holds a model
+        tensor no rank loads, before the collective load starts."""
         problems = missing_or_mismatched(pieces, stored)
-        flag = torch.tensor([float(bool(problems))])
+        hint = " (pass --no-load-optim to skip the optimizer state)" if problems and "optimizer." in problems[0] else ""
+        agree(f"cannot load {path}: {problems[0]}{hint}" if problems else None, self.group)
+        unused = self._first_unloaded_model_tensor(pieces, stored)
+        if unused is not None:
+            raise CheckpointError(f"cannot load {path}: it holds model tensor '{unused}', which this model has no "
+                                  f"place for; {_model_differences(saved_model, self.config)}")
+
+    def _first_unloaded_model_tensor(self, pieces: list[ShardedTensor], stored) -> str | None:
+        """The first stored model tensor that no rank loads (each rank holds only its stages' layers, so the
+        union over the ranks must cover them all). Optimizer and RNG states are skipped by flags, not here."""
+        keys = sorted(k for k in stored.state_dict_metadata if not k.startswith(("optimizer.", "rng_state.")))
+        loading = {piece.key for piece in pieces}
+        loaded = torch.tensor([key in loading for key in keys], dtype=torch.int32)
         if self.group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if problems:
-            hint = " (pass --no-load-optim to skip the optimizer state)" if "optimizer." in problems[0] else ""
-            raise CheckpointError(f"cannot load {path}: {problems[0]}{hint}")
-        if flag.item() > 0:
-            raise CheckpointError(f"cannot load {path}: another rank found a problem (see its error)")
+            dist.all_reduce(loaded, op=dist.ReduceOp.MAX, group=self.group)
+        return next((key for key, flag in zip(keys, loaded.tolist()) if not flag), None)
 
     def _log(self, message: str) -> None:
         if self.is_coordinator:
             print(message, flush=True)
+
+
+def _records_of_own_files(directory_path: str, names: list[str]) -> tuple[dict, str | None]:
+    """Checksum records of files this process just wrote, or why they could not be read back."""
+    try:
+        return checksums.records_of(directory_path, names), None
+    except OSError as error:
+        return {}, f"cannot read back {error.filename} to checksum it: {error.strerror}"
+
+
+def _model_differences(saved_model: dict, config: Config) -> str:
+    """The model settings that differ between the run that saved a checkpoint and this one, for errors."""
+    ours = config.to_dict()["model"]
+    differing = [f"{key} {value} (this run: {ours.get(key)})" for key, value in sorted(saved_model.items())
+                 if ours.get(key) != value and key != "model_preset"]
+    if not differing:
+        return "the model configuration differs from the one that saved it"
+    return "it was saved with " + ", ".join(differing[:3])
 
 
 def read_checkpoint_tensors(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
