@@ -4,7 +4,8 @@
     python tools/inspect_checkpoint.py checkpoints/run1 --iteration 200 --all --check
 
 Reads metadata.json and the DCP index only (never unpickling anything but DCP's metadata classes);
---check also reads every tensor and reports non-finite values.
+--check also verifies every file against the size and CRC-32 recorded when it was saved, then reads every
+tensor and reports non-finite values (exit status 1 on either problem).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_lite.checkpoint import directory  # noqa: E402
+from megatron_lite.checkpoint import checksums, directory  # noqa: E402
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors, stored_bytes  # noqa: E402
 from megatron_lite.checkpoint.planner import SafeFileSystemReader  # noqa: E402
 
@@ -69,16 +70,30 @@ def describe(path: str, show_all: bool) -> list[str]:
     return lines
 
 
+def verify_files(path: str) -> str:
+    """One line on the files' checksums; exits with status 1 when a file does not match."""
+    records = directory.read_metadata(path).get("files")
+    if records is None:
+        return "checksums: none recorded (saved before checkpoints had them)"
+    damage = checksums.damaged_file(path, records, sorted(records))
+    if damage is not None:
+        print(f"checksums: {damage}", flush=True)
+        sys.exit(1)
+    return f"checksums: {len(records)} files match their checksums"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="a --save directory, or one of its iter_XXXXXXX directories")
     parser.add_argument("--iteration", type=int, help="which iteration (default: the newest complete one)")
     parser.add_argument("--all", action="store_true", help="also list optimizer and RNG tensors")
-    parser.add_argument("--check", action="store_true", help="read every tensor and check it is finite")
+    parser.add_argument("--check", action="store_true",
+                        help="verify every file's checksum, then read every tensor and check it is finite")
     args = parser.parse_args(argv)
     path = resolve(args.path, args.iteration)
     print("\n".join(describe(path, args.all)))
     if args.check:
+        print(verify_files(path))
         tensors = read_checkpoint_tensors(path)
         bad = [k for k, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()]
         print(f"read {len(tensors)} tensors: " + (f"non-finite values in {bad}" if bad else "all finite"))

@@ -7,8 +7,14 @@
 A save writes into `iter_XXXXXXX.tmp`, then the coordinator writes `metadata.json` last and renames the
 directory: the rename is the commit, so a directory with a final name is complete, and a save killed at
 any moment leaves the previous checkpoints untouched. The tracker file is then replaced atomically
-(write a temporary file, rename). Loading takes the newest complete iteration, so a crash between the
-rename and the tracker update loses nothing. Only the coordinator (rank 0) writes here.
+(write a temporary file, rename). Before the commit, every data file the ranks reported writing (with
+its checksum, checkpoint/checksums.py) must be present with its size: a save whose files another process
+removed is never committed.
+
+Loading takes the newest complete iteration, so a crash between the rename and the tracker update loses
+nothing; `--ckpt-step N` takes iteration N instead. A tracker naming an iteration with no complete
+directory is an error, not a silent start from scratch: the checkpoint it promises was deleted or lost.
+Only the coordinator (rank 0) writes here; `DIR/run.lock` keeps other runs out (checkpoint/save_lock.py).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import json
 import os
 import re
 import shutil
+
+from megatron_lite.checkpoint.checksums import missing_or_resized
+from megatron_lite.checkpoint.planner import CheckpointError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
@@ -54,6 +63,33 @@ def latest_iteration(root: str) -> int | None:
     return iterations[-1] if iterations else None
 
 
+def iteration_to_load(root: str, ckpt_step: int | None = None) -> int | None:
+    """The iteration `--load root` resumes from: `ckpt_step` when given, else the newest complete one; None
+    (start from scratch) only when `root` holds neither a checkpoint nor a tracker."""
+    complete = complete_iterations(root)
+    if ckpt_step is not None:
+        if ckpt_step not in complete:
+            raise CheckpointError(f"--ckpt-step {ckpt_step}: {checkpoint_path(root, ckpt_step)} is not a complete "
+                                  f"checkpoint; complete iterations in {root}: {complete or 'none'}")
+        return ckpt_step
+    tracked = read_tracker(root)
+    if tracked is not None and tracked not in complete:
+        fallback = (f"the newest complete one is iteration {complete[-1]}: pass --ckpt-step {complete[-1]} to load it"
+                    if complete else "no complete checkpoint is left: remove the tracker to train from scratch")
+        raise CheckpointError(f"{os.path.join(root, TRACKER_FILE)} names iteration {tracked}, but "
+                              f"{checkpoint_path(root, tracked)} is not a complete checkpoint; {fallback}")
+    return complete[-1] if complete else None
+
+
+def previous_complete(root: str, iteration: int) -> str:
+    """How to fall back from a bad checkpoint at `iteration`: the flag loading the newest complete one
+    before it, or why there is none."""
+    earlier = [i for i in complete_iterations(root) if i < iteration]
+    if earlier:
+        return f"pass --ckpt-step {earlier[-1]} to load the previous complete checkpoint"
+    return f"{root} holds no earlier complete checkpoint"
+
+
 def read_tracker(root: str) -> int | None:
     try:
         with open(os.path.join(root, TRACKER_FILE)) as f:
@@ -63,8 +99,11 @@ def read_tracker(root: str) -> int | None:
 
 
 def read_metadata(path: str) -> dict:
-    with open(os.path.join(path, METADATA_FILE)) as f:
-        return json.load(f)
+    try:
+        with open(os.path.join(path, METADATA_FILE)) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{os.path.join(path, METADATA_FILE)} is damaged ({error})") from error
 
 
 def prepare(root: str, iteration: int) -> str:
@@ -88,8 +127,13 @@ def _write_atomically(path: str, text: str) -> None:
 
 
 def commit(root: str, iteration: int, metadata: dict, keep_last_n: int | None = None) -> str:
-    """Finish a save whose tensors are all written: metadata.json, rename, tracker, old checkpoints."""
+    """Finish a save whose tensors are all written: metadata.json, rename, tracker, old checkpoints. The files
+    recorded in `metadata["files"]` must all be there as written, or nothing is committed."""
     temporary, final = temporary_path(root, iteration), checkpoint_path(root, iteration)
+    problem = missing_or_resized(temporary, metadata.get("files", {}))
+    if problem is not None:
+        raise CheckpointError(f"not committing the checkpoint of iteration {iteration}: {problem} (is another "
+                              f"process writing into {root}?)")
     _write_atomically(os.path.join(temporary, METADATA_FILE), json.dumps(metadata, indent=1, sort_keys=True))
     if os.path.exists(final):  # the same iteration saved again: move the old one aside, never delete first
         os.replace(final, final + ".replaced")
