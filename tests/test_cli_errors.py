@@ -1,10 +1,12 @@
 """Bad input fails on every rank with one clear line and a non-zero exit, quickly, before any collective."""
 
 import os
+import struct
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,19 +24,66 @@ CASES = {
         ["--model-preset", "gpt2-124m", "--mock-data", "--seq-length", "2048"],
         "seq-length (2048) exceeds max-position-embeddings (1024)"),
     "no data": (["--model-preset", "llama-tiny"], "pass --data-path PREFIX"),
+    "micro-batch of zero and a NaN learning rate": (BASE + ["--micro-batch-size", "0", "--min-lr", "nan"],
+                                                    "min-lr (nan) must be a finite number; micro-batch-size (0) "
+                                                    "must be at least 1"),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_fails_on_every_rank_with_one_line(case):
-    argv, expected = CASES[case]
+def fails_on_every_rank_with_one_line(argv: list[str], expected: str) -> float:
+    """Run `argv` on two ranks; assert both print one `error (rank R): ...` line holding `expected` and the
+    run exits non-zero; return how long it took."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "pretrain_gpt.py", *argv]
     start = time.monotonic()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error (rank")]
-    assert sorted(line.split(")")[0] for line in error_lines) == ["error (rank 0", "error (rank 1"]
+    assert sorted(line.split(")")[0] for line in error_lines) == ["error (rank 0", "error (rank 1"], result.stderr
     assert all(expected in line for line in error_lines), error_lines
+    return elapsed
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_fails_on_every_rank_with_one_line(case):
+    elapsed = fails_on_every_rank_with_one_line(*CASES[case])
     assert elapsed < 10, f"took {elapsed:.1f}s"
+
+
+def test_a_yaml_string_for_a_switch_fails_on_every_rank_with_one_line(tmp_path):
+    (tmp_path / "run.yaml").write_text('model_preset: llama-tiny\nmock_data: "false"\n')
+    elapsed = fails_on_every_rank_with_one_line(["--config", str(tmp_path / "run.yaml")],
+                                                "mock_data must be true or false")
+    assert elapsed < 10, f"took {elapsed:.1f}s"
+
+
+def _write_pair(prefix, tokens: np.ndarray, idx_dtype_code: int) -> None:
+    """One document of `tokens` in the .bin, described by an .idx that claims dtype code `idx_dtype_code`."""
+    (prefix.parent / (prefix.name + ".bin")).write_bytes(tokens.tobytes())
+    (prefix.parent / (prefix.name + ".idx")).write_bytes(
+        b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, idx_dtype_code, 1, 2)
+        + struct.pack("<i", tokens.size) + struct.pack("<q", 0) + struct.pack("<2q", 0, 1))
+
+
+DATA_CASES = {
+    # int32 tokens behind an .idx that says uint16: read as uint16, every other token would be a zero
+    "bin in another dtype than its idx": (np.arange(500, dtype=np.int32), 8, [],
+                                          "the .bin and .idx do not belong together"),
+    # llama-tiny has 1024 ids; at TP2 an id past the vocabulary gave an infinite loss and exit 0
+    "token ids past the vocabulary at TP2": (np.arange(500, dtype=np.uint16) * 4, 8,
+                                             ["--tensor-model-parallel-size", "2"],
+                                             "holds token id 1996, but the model's vocabulary has 1024 ids"),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_CASES))
+def test_data_that_lies_fails_on_every_rank_before_training(case, tmp_path):
+    tokens, idx_dtype_code, flags, expected = DATA_CASES[case]
+    _write_pair(tmp_path / "corpus", tokens, idx_dtype_code)
+    argv = ["--model-preset", "llama-tiny", "--num-layers", "2", "--seq-length", "16", "--max-position-embeddings",
+            "16", "--tokenizer-type", "NullTokenizer", "--data-path", str(tmp_path / "corpus"), "--split", "1",
+            "--train-iters", "2", "--device", "cpu", "--metrics-jsonl", str(tmp_path / "metrics.jsonl"), *flags]
+    elapsed = fails_on_every_rank_with_one_line(argv, expected)
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
+    assert elapsed < 60, f"took {elapsed:.1f}s"  # torch loads and the model is built before the data is read
