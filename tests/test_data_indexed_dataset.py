@@ -185,3 +185,14 @@ def test_token_id_range_spans_every_chunk_of_the_scan(tmp_path, monkeypatch):
     monkeypatch.setattr(indexed_dataset, "_SCAN_CHUNK_TOKENS", 4)
     ds = write_dataset(tmp_path / "ds", [[7, 8, 9], [6, 5000, 12], [3, 11]])
     assert ds.token_id_range() == (3, 5000)
+
+
+def test_pointers_are_checked_across_chunks_of_the_index(tmp_path, monkeypatch):
+    monkeypatch.setattr(indexed_dataset, "_CHECK_CHUNK_SEQUENCES", 2)
+    (tmp_path / "ds.bin").write_bytes(struct.pack("<6H", *range(6)))
+    (tmp_path / "ds.idx").write_bytes(hand_made_index(8, [1, 1, 1, 2, 1], [0, 2, 4, 6, 10], [0, 1, 2, 3, 4, 5]))
+    assert [sequence.tolist() for sequence in IndexedDataset(str(tmp_path / "ds"))] == [[0], [1], [2], [3, 4], [5]]
+    (tmp_path / "ds.idx").write_bytes(hand_made_index(8, [1, 1, 1, 2, 1], [0, 2, 4, 6, 8], [0, 1, 2, 3, 4, 5]))
+    with pytest.raises(DataError, match="sequence 4 starts at byte 8 of the .bin, but the sequence lengths place "
+                                        "it at byte 10"):
+        IndexedDataset(str(tmp_path / "ds"))

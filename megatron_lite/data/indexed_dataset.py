@@ -41,8 +41,10 @@ CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 _HEADER = struct.Struct("<9sQBQQ")
 
-# Tokens per step of the largest-token-id scan: a bounded working set over any size of .bin.
+# Tokens per step of the largest-token-id scan, and sequences per step of the index check: a bounded
+# working set for any size of dataset.
 _SCAN_CHUNK_TOKENS = 1 << 24
+_CHECK_CHUNK_SEQUENCES = 1 << 22
 
 
 def bin_path(prefix: str) -> str:
@@ -131,6 +133,21 @@ def _dtype_guess(num_bytes: int, num_tokens: int) -> str:
     return f" (the size fits {' or '.join(names)} tokens)" if names else ""
 
 
+def _first_misplaced_sequence(lengths: np.ndarray, pointers: np.ndarray, itemsize: int) -> tuple[int, int] | None:
+    """(i, where it belongs) for the first sequence whose pointer is not the byte count of the sequences
+    before it, or None: Megatron stores sequences back to back. Chunked, so that checking an index of
+    100M sequences needs tens of megabytes, not gigabytes."""
+    start = 0
+    for begin in range(0, len(lengths), _CHECK_CHUNK_SEQUENCES):
+        sizes = lengths[begin: begin + _CHECK_CHUNK_SEQUENCES].astype(np.int64) * itemsize
+        expected = start + np.cumsum(sizes) - sizes
+        wrong = np.flatnonzero(pointers[begin: begin + _CHECK_CHUNK_SEQUENCES] != expected)
+        if wrong.size:
+            return begin + int(wrong[0]), int(expected[wrong[0]])
+        start = int(expected[-1] + sizes[-1])
+    return None
+
+
 class IndexedDataset:
     """Read-only view of `PREFIX.bin`/`PREFIX.idx`: `ds[i]` is sequence i as a numpy view.
 
@@ -170,18 +187,15 @@ class IndexedDataset:
                             f"{self.num_tokens} {self.dtype} tokens ({expected_bytes} bytes)"
                             f"{_dtype_guess(len(self._bin), self.num_tokens)}; the .bin and .idx do not "
                             f"belong together: rerun tools/preprocess_data.py")
-        expected_pointers = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1], dtype=np.int64, out=expected_pointers[1:])
-        expected_pointers *= itemsize
-        wrong = np.flatnonzero(self.sequence_pointers != expected_pointers)
-        if wrong.size:
-            i = int(wrong[0])
+        misplaced = _first_misplaced_sequence(lengths, self.sequence_pointers, itemsize)
+        if misplaced is not None:
+            i, expected_pointer = misplaced
             raise DataError(f"{name}: sequence {i} starts at byte {int(self.sequence_pointers[i])} of the .bin, "
-                            f"but the sequence lengths place it at byte {int(expected_pointers[i])}; the "
+                            f"but the sequence lengths place it at byte {expected_pointer}; the "
                             f"index is damaged, rerun tools/preprocess_data.py")
         documents = self.document_indices
         if (len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths)
-                or np.any(np.diff(documents) < 0)):
+                or not np.all(documents[1:] >= documents[:-1])):
             raise DataError(f"{name}: the document indices are not an increasing run from 0 to the "
                             f"sequence count {len(lengths)}; the index is damaged, rerun tools/preprocess_data.py")
 
