@@ -176,9 +176,9 @@ def get_schedule(config: Config):
     return schedules.forward_backward_pipelining_without_interleaving
 
 
-def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> float:
-    """The global-batch mean of the 'lm loss' sums, computed on the last pipeline stage and shared with the
-    other stages so that every rank reports it."""
+def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> torch.Tensor:
+    """The global-batch mean of the 'lm loss' sums (NaN without tokens), computed on the last pipeline stage
+    and shared with the other stages so that every rank reports it; a 0-dim tensor on `device`."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for report in reports:
         loss_sum, tokens = report["lm loss"]
@@ -187,7 +187,7 @@ def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> float:
     mappings.all_reduce(totals, pstate.group("dp_cp"))
     if pstate.group("pp") is not None:
         dist.broadcast(totals, src=pstate.pp_ranks[-1], group=pstate.group("pp"))
-    return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+    return totals[0] / totals[1]
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,
@@ -202,13 +202,14 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
         forward_step_func, data_iterator, model, config.num_microbatches, pstate=pstate, config=config,
         loss_scale=optimizer.loss_scale)
     finalize_model_grads(model, pstate, tokens.to(device))
-    lm_loss = reduce_loss(reports, pstate, device)
+    grad_norm = optimizer.prepare_grads()
+    lm_loss, grad_norm = torch.stack([reduce_loss(reports, pstate, device), grad_norm]).tolist()  # the one sync
     check = config.optimizer.check_for_nan_in_loss_and_grad
     if check and not math.isfinite(lm_loss):
         raise _diverged(iteration, "lm loss", lm_loss)
     lr = learning_rate(config.optimizer, iteration)
-    update_successful, grad_norm = optimizer.step(lr)
-    if check and not update_successful and not math.isfinite(grad_norm) and optimizer.grad_scaler is None:
+    update_successful = optimizer.apply(lr, grad_norm)
+    if check and not update_successful and optimizer.grad_scaler is None:
         raise _diverged(iteration, "grad norm", grad_norm)
     return {"lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr,
             "loss_scale": optimizer.loss_scale, "skipped_iter": int(not update_successful)}
@@ -232,7 +233,7 @@ def evaluate(forward_step_func, data_iterator, model, config: Config, pstate: Pa
         reports += step_reports
     for chunk in model:
         chunk.train()
-    return reduce_loss(reports, pstate, device)
+    return float(reduce_loss(reports, pstate, device))
 
 
 # -------------------------------------------------------------------------------------------------------

@@ -54,11 +54,12 @@ def one_step(values: dict, world_size: int, trace: bool = False) -> dict:
         with torch.no_grad():
             reports, _ = schedule(pretrain_gpt.forward_step, training.build_data_iterator(train_ds, config, pstate, 0),
                                   model, config.num_microbatches, pstate=pstate, config=config, forward_only=True)
-        eval_loss = training.reduce_loss(reports, pstate, device)
+        eval_loss = float(training.reduce_loss(reports, pstate, device))
         reports, tokens = schedule(pretrain_gpt.forward_step, training.build_data_iterator(train_ds, config, pstate, 0),
                                    model, config.num_microbatches, pstate=pstate, config=config, stats=stats)
     finalize_model_grads(model, pstate, tokens)
-    return {"eval_loss": eval_loss, "loss": training.reduce_loss(reports, pstate, device), "stage": pstate.pp_rank,
+    return {"eval_loss": eval_loss, "loss": float(training.reduce_loss(reports, pstate, device)),
+            "stage": pstate.pp_rank,
             "grads": parameter_records(model, lambda p: p.main_grad), "peak_live": stats.peak_live,
             "forwards": sum(kind == "F" for kind, *_ in stats.events), "trace": stderr.getvalue()}
 

@@ -51,5 +51,5 @@ def finalize_model_grads(model_chunks: list[DistributedDataParallel], pstate: Pa
     _all_reduce_grads(shared, pstate.group("embedding"))
     tokens = global_token_count(local_tokens, pstate)
     for chunk in model_chunks:
-        chunk.scale_gradients(1.0 / float(tokens))
+        chunk.scale_gradients(tokens.reciprocal())
     return tokens

@@ -248,7 +248,7 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in self.buckets:
             bucket.finish_grad_reduction()
 
-    def scale_gradients(self, factor: float) -> None:
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
         for buffer in self.buffers:
             buffer.data.mul_(factor)
 

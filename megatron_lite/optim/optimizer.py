@@ -9,7 +9,7 @@ replicated parameter counted once; it is taken after unscaling and before clippi
 What it steps is a list of `OwnedRange`s: flat element ranges of parameters with their gradient and
 storage. This class steps whole parameters (every data-parallel rank does the same update);
 `DistributedOptimizer` steps each rank's shard. fp16 runs use a loss scaler (optim/loss_scaler.py): a step
-whose gradients overflow on any rank is skipped on every rank.
+whose gradients overflow on any rank (a global norm that is not finite) is skipped on every rank.
 """
 
 from __future__ import annotations
@@ -34,15 +34,19 @@ def counted_once(param: torch.nn.Parameter, pstate: ParallelState) -> bool:
 
 
 def global_grad_norm(grads_and_replication: list[tuple[list[torch.Tensor], int]], pstate: ParallelState,
-                     device) -> float:
-    """L2 norm over every rank's gradients; each list is held identically by `replication` ranks."""
+                     device) -> torch.Tensor:
+    """L2 norm over every rank's gradients, each list held identically by `replication` ranks: a 0-dim fp64
+    tensor on `device`, read by nobody here, so computing it costs no host synchronisation.
+
+    Per-tensor norms come from one fused `_foreach_norm` per list; only their squares are summed in fp64,
+    so that a large finite norm cannot overflow into a false inf."""
     squares = torch.zeros(len(grads_and_replication), dtype=torch.float64, device=device)
     for index, (grads, _) in enumerate(grads_and_replication):
-        for grad in grads:
-            squares[index] += grad.detach().double().pow(2).sum()
+        if grads:
+            squares[index] = torch.stack(torch._foreach_norm(grads)).double().square().sum()
     mappings.all_reduce(squares, pstate.group("world"))
     replication = torch.tensor([r for _, r in grads_and_replication], dtype=torch.float64, device=device)
-    return math.sqrt(float((squares / replication).sum()))
+    return (squares / replication).sum().sqrt()
 
 
 def _whole(param: torch.nn.Parameter) -> OwnedRange:
@@ -98,17 +102,7 @@ class Optimizer:
     def _grads(self) -> list[torch.Tensor]:
         return [r.grad for r in self.ranges]
 
-    def _unscale_and_check(self) -> bool:
-        """Divide the gradients by the loss scale; whether any rank found an inf or a NaN."""
-        device = self.masters[0].device if self.masters else torch.device("cpu")
-        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        if self.ranges:
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                self._grads(), found_inf, torch.full((1,), 1.0 / self.loss_scale, device=device))
-        mappings.all_reduce(found_inf, self.pstate.group("world"), op=torch.distributed.ReduceOp.MAX)
-        return bool(found_inf.item() > 0)
-
-    def grad_norm(self) -> float:
+    def grad_norm(self) -> torch.Tensor:
         device = self.masters[0].device if self.masters else "cpu"
         counted = [r for r in self.ranges if counted_once(r.param, self.pstate)]
         dense, expert = self._replication()
@@ -116,19 +110,24 @@ class Optimizer:
                                  ([r.grad for r in counted if r.param.spec.expert], expert)], self.pstate, device)
 
     @torch.no_grad()
-    def step(self, lr: float) -> tuple[bool, float]:
-        """Unscale, clip, update. Returns (whether the update happened, gradient norm before clipping);
-        an fp16 step with overflowing gradients is skipped and its norm is NaN. With
-        --check-for-nan-in-loss-and-grad a step whose gradient norm is not finite is not applied either."""
+    def prepare_grads(self) -> torch.Tensor:
+        """Divide the gradients by the loss scale; their global norm as a device tensor. The trainer reads it
+        together with the loss, in the step's one host synchronisation, and passes it to `apply`."""
+        if self.grad_scaler is not None and self.ranges:
+            torch._foreach_mul_(self._grads(), 1.0 / self.loss_scale)
+        return self.grad_norm()
+
+    @torch.no_grad()
+    def apply(self, lr: float, grad_norm: float) -> bool:
+        """Clip to --clip-grad and update; whether the update happened. The norm is global, so every rank
+        decides alike. Gradients that are not finite are an fp16 overflow (skipped: the loss scaler backs
+        off) or, with --check-for-nan-in-loss-and-grad, a step never applied."""
+        finite = math.isfinite(grad_norm)
         if self.grad_scaler is not None:
-            found_inf = self._unscale_and_check()
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                return False, float("nan")
-        norm = self.grad_norm()
-        if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
-            return False, norm
-        clip = self.config.clip_grad / (norm + 1e-6) if self.config.clip_grad > 0 else 1.0
+            self.grad_scaler.update(found_inf=not finite)
+        if not finite and (self.grad_scaler is not None or self.config.check_for_nan_in_loss_and_grad):
+            return False
+        clip = self.config.clip_grad / (grad_norm + 1e-6) if self.config.clip_grad > 0 else 1.0
         if clip < 1.0 and self.ranges:
             torch._foreach_mul_(self._grads(), clip)
         for owned, master in zip(self.ranges, self.masters):
@@ -140,7 +139,12 @@ class Optimizer:
             master.grad = None
         self._copy_masters_to_model()
         self._sync_params()
-        return True, norm
+        return True
+
+    def step(self, lr: float) -> tuple[bool, float]:
+        """`prepare_grads` then `apply`: (whether the update happened, gradient norm before clipping)."""
+        grad_norm = float(self.prepare_grads())
+        return self.apply(lr, grad_norm), grad_norm
 
     def _copy_masters_to_model(self) -> None:
         for owned, master in zip(self.ranges, self.masters):

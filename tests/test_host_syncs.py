@@ -1,0 +1,63 @@
+"""A training step reads values from the device once: the loss and the gradient norm, together.
+
+Every `.item()`, `.tolist()`, `float(t)`, `int(t)` or `bool(t)` of a CUDA tensor stalls the host until the
+GPU catches up. On the CPU they cost nothing, so they are counted here instead of timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron_lite.config import make_config
+from megatron_lite.optim.distributed_optimizer import build_optimizer
+from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
+
+READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu")
+
+
+@contextlib.contextmanager
+def counted_device_reads(counts: list[str], host_tensors: list[torch.Tensor]):
+    """Record every call of a torch.Tensor method that copies a value to the host, while inside the block,
+    except on `host_tensors`, which live on the host on every device (Adam's step counters)."""
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+    exempt = {id(t) for t in host_tensors}
+
+    def counting(name):
+        def read(self, *args, **kwargs):
+            if id(self) not in exempt:
+                counts.append(name)
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    try:
+        for name in READS:
+            setattr(torch.Tensor, name, counting(name))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.mark.parametrize("extra", [{}, {"bf16": True}, {"fp16": True, "initial_loss_scale": 256.0},
+                                   {"use_distributed_optimizer": True}])
+def test_a_training_step_of_four_micro_batches_reads_the_device_once(extra):
+    config = make_config({"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "seq_length": 32,
+                          "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": 4,
+                          "train_iters": 3, **extra})
+    pstate, device = initialize(config)
+    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+    optimizer = build_optimizer(config, model, pstate)
+    iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
+    train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, 0, device)
+    batches = [next(iterator) for _ in range(config.num_microbatches)]  # read outside the counted step
+    counts: list[str] = []
+    step_counters = [state["step"] for state in optimizer.adam.state.values()]
+    assert all(counter.device.type == "cpu" for counter in step_counters)
+    with counted_device_reads(counts, step_counters):
+        metrics = train_step(pretrain_gpt.forward_step, iter(batches), model, optimizer, config, pstate, 1, device)
+    assert counts == ["tolist"], counts
+    assert metrics["skipped_iter"] == 0 and metrics["grad_norm"] > 0
