@@ -55,9 +55,9 @@ def forward_step(data_iterator, model):
     pstate = getattr(model, "module", model).pstate
     batch = get_batch_on_this_cp_rank(next(data_iterator), pstate)
     device = next(model.parameters()).device
-    tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
-    output = model(tokens, batch["position_ids"].to(device), labels=labels)
-    return output, partial(loss_func, batch["loss_mask"].to(device))
+    tokens, labels = batch["tokens"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
+    output = model(tokens, batch["position_ids"].to(device, non_blocking=True), labels=labels)
+    return output, partial(loss_func, batch["loss_mask"].to(device, non_blocking=True))
 
 
 def main(argv: list[str] | None = None) -> int:

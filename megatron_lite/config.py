@@ -110,7 +110,7 @@ class DataConfig:
     mock_data: bool = False
     tokenizer_type: str = "NullTokenizer"
     tokenizer_model: str | None = None
-    num_workers: int = 0
+    num_workers: int | None = None  # data loader processes per rank; default 2 on a GPU, 0 on the CPU
     data_cache_path: str | None = None
 
 
