@@ -16,6 +16,7 @@ import torch
 
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.model.moe import moe_layer_numbers
+from megatron_lite.timers import PhaseTimers
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, without sparsity), matched against
 # torch.cuda.get_device_name in this order: the most specific name first (H100 PCIe / NVL before H100).
@@ -101,20 +102,22 @@ class TrainingLogger:
     def reset_timer(self) -> None:
         self.last_time = time.perf_counter()
 
-    def log_iteration(self, iteration: int, metrics: dict) -> None:
-        """Record one finished iteration (1-based); prints every --log-interval iterations."""
+    def log_iteration(self, iteration: int, metrics: dict, timers: PhaseTimers | None = None) -> dict:
+        """Record one finished iteration (1-based); prints every --log-interval iterations. Returns the
+        record: the step's metrics with throughput, memory and (with `timers`) the time of each phase."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         elapsed, self.last_time = now - self.last_time, now
-        if not self.enabled:
-            return
         tokens_per_sec = self.tokens_per_iteration / elapsed
         tflops = tokens_per_sec * self.flops_per_token / self.world_size / 1e12
         record = {"iteration": iteration, **metrics, "tokens_per_sec": tokens_per_sec,
-                  "tflops_per_device": tflops, "iteration_time_s": elapsed, "memory_gib": memory_gib(self.device)}
+                  "tflops_per_device": tflops, "iteration_time_s": elapsed, "memory_gib": memory_gib(self.device),
+                  **(timers.read() if timers is not None else {})}
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
+        if not self.enabled:
+            return record
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
@@ -123,6 +126,7 @@ class TrainingLogger:
             if self.wandb is not None:
                 self.wandb.log({k: v for k, v in record.items() if k != "iteration" and not isinstance(v, list)},
                                step=iteration)
+        return record
 
     def log_evaluation(self, iteration: int, loss: float) -> None:
         if not self.enabled:
@@ -152,6 +156,9 @@ def format_line(r: dict, train_iters: int) -> str:
              f"tokens/s {r['tokens_per_sec']:,.0f}", f"TFLOP/s/device {r['tflops_per_device']:.2f}"]
     if "mfu" in r:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if "time_forward_backward_ms" in r:
+        parts.append("ms fwd-bwd/reduce/optim/data " + "/".join(
+            f"{r[f'time_{phase}_ms']:.0f}" for phase in ("forward_backward", "grad_reduce", "optimizer", "data_wait")))
     if "moe_aux_loss" in r:
         parts.append(f"moe aux loss {r['moe_aux_loss']:.4g} | moe z loss {r['moe_z_loss']:.4g}")
     parts.append(f"mem {r['memory_gib']:.2f} GiB")

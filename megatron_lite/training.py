@@ -31,6 +31,7 @@ from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import lifecycle, mappings
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
+from megatron_lite.timers import PhaseTimers
 from megatron_lite.validation import pipeline_stage_layers
 
 
@@ -197,26 +198,31 @@ def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> torch.Ten
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,
-               pstate: ParallelState, iteration: int, device) -> dict:
+               pstate: ParallelState, iteration: int, device, timers: PhaseTimers | None = None) -> dict:
     """Forward and backward over one global batch, then one optimizer step. With
     --check-for-nan-in-loss-and-grad a non-finite loss or gradient norm stops the run before the step is
-    applied (every rank sees the same reduced values, so every rank stops)."""
+    applied (every rank sees the same reduced values, so every rank stops). `timers` collects the time of
+    each phase."""
+    timers = timers or PhaseTimers(torch.device("cpu"))
     for chunk in model:
         chunk.zero_grad_buffer()
     set_moe_loss_scale(model, optimizer.loss_scale)
-    reports, tokens = get_schedule(config)(
-        forward_step_func, data_iterator, model, config.num_microbatches, pstate=pstate, config=config,
-        loss_scale=optimizer.loss_scale)
-    finalize_model_grads(model, pstate, tokens.to(device))
-    grad_norm = optimizer.prepare_grads()
-    lm_loss, grad_norm = torch.stack([reduce_loss(reports, pstate, device), grad_norm]).tolist()  # the one sync
-    check = config.optimizer.check_for_nan_in_loss_and_grad
-    if check and not math.isfinite(lm_loss):
-        raise _diverged(iteration, "lm loss", lm_loss)
-    lr = learning_rate(config.optimizer, iteration)
-    update_successful = optimizer.apply(lr, grad_norm)
-    if check and not update_successful and optimizer.grad_scaler is None:
-        raise _diverged(iteration, "grad norm", grad_norm)
+    with timers.phase("forward_backward"):
+        reports, tokens = get_schedule(config)(
+            forward_step_func, data_iterator, model, config.num_microbatches, pstate=pstate, config=config,
+            loss_scale=optimizer.loss_scale)
+    with timers.phase("grad_reduce"):
+        finalize_model_grads(model, pstate, tokens.to(device))
+    with timers.phase("optimizer"):
+        grad_norm = optimizer.prepare_grads()
+        lm_loss, grad_norm = torch.stack([reduce_loss(reports, pstate, device), grad_norm]).tolist()  # one sync
+        check = config.optimizer.check_for_nan_in_loss_and_grad
+        if check and not math.isfinite(lm_loss):
+            raise _diverged(iteration, "lm loss", lm_loss)
+        lr = learning_rate(config.optimizer, iteration)
+        update_successful = optimizer.apply(lr, grad_norm)
+        if check and not update_successful and optimizer.grad_scaler is None:
+            raise _diverged(iteration, "grad norm", grad_norm)
     return {"lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr,
             "loss_scale": optimizer.loss_scale, "skipped_iter": int(not update_successful)}
 
@@ -268,8 +274,9 @@ def _train(config: Config, pstate: ParallelState, device, model_provider, forwar
     resume = checkpointer.load_checkpoint(model, optimizer) if c.load else ResumeState()
     train_ds, valid_ds, _ = build_datasets(config)
     consumed_samples = resume.consumed_samples
-    train_iterator = (build_data_iterator(train_ds, config, pstate, consumed_samples)
-                      if resume.iteration < t.train_iters else None)
+    timers = PhaseTimers(device)
+    train_iterator = timers.timed_iterator(build_data_iterator(train_ds, config, pstate, consumed_samples)
+                                           if resume.iteration < t.train_iters else None)
     valid_consumed = resume.iteration // t.eval_interval * t.eval_iters * t.global_batch_size
     valid_iterator = build_data_iterator(valid_ds, config, pstate, valid_consumed)
     resume.restore_rng(model, device)  # after the data loaders, which draw from the generator when built
@@ -287,14 +294,13 @@ def _train(config: Config, pstate: ParallelState, device, model_provider, forwar
             exit_conditions = ExitConditions(config, pstate, device, signal_handler)
             for iteration in range(resume.iteration, t.train_iters):
                 metrics = train_step(forward_step_func, train_iterator, model, optimizer, config, pstate,
-                                     iteration, device)
+                                     iteration, device, timers)
                 consumed_samples += config.training.global_batch_size
                 completed = iteration + 1
                 metrics["consumed_samples"] = consumed_samples
                 if completed % config.logging.log_interval == 0:
                     metrics.update(moe_metrics(model, pstate, config))  # load balance over the log interval
-                history.append(metrics)
-                logger.log_iteration(iteration + 1, metrics)
+                history.append(logger.log_iteration(iteration + 1, metrics, timers))
                 if valid_iterator is not None and (iteration + 1) % config.training.eval_interval == 0:
                     logger.log_evaluation(iteration + 1, evaluate(forward_step_func, valid_iterator, model, config,
                                                                   pstate, device))
