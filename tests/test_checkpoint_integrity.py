@@ -4,10 +4,12 @@ CheckpointError (one line on every rank) before training starts, never a silent 
 
 import importlib.util
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -205,6 +207,7 @@ def test_a_second_checkpointer_on_one_save_directory_is_refused_until_the_first_
                                               rf"{socket.gethostname()} pid {os.getpid()}\)"):
         _checkpointer(str(tmp_path))
     first.close()
+    _checkpointer(str(tmp_path))  # dropped without close (a run that failed in a longer-lived process)
     _checkpointer(str(tmp_path)).close()
 
 
@@ -235,6 +238,28 @@ def test_a_second_process_is_refused_with_one_line_naming_the_holder(tmp_path):
         f"error (rank 0): --save {tmp_path} is in use by another run (host {socket.gethostname()} pid "
         f"{os.getpid()}); one run per save directory: wait for it to finish, or choose another --save"]
     assert directory.complete_iterations(str(tmp_path)) == []
+
+
+def _run_then_sleep(running) -> None:
+    running.set()
+    time.sleep(60)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork")
+def test_a_forked_worker_does_not_keep_the_lock_of_a_finished_run(tmp_path):
+    """Data-loader workers are forked after the lock is taken, and may outlive a killed run by seconds."""
+    first = _checkpointer(str(tmp_path))
+    context = multiprocessing.get_context("fork")
+    running = context.Event()
+    worker = context.Process(target=_run_then_sleep, args=(running,), daemon=True)
+    worker.start()
+    try:
+        assert running.wait(timeout=60)
+        first.close()
+        _checkpointer(str(tmp_path)).close()
+    finally:
+        worker.kill()
+        worker.join()
 
 
 def test_an_unwritable_save_directory_fails_at_start_up(tmp_path):

@@ -3,9 +3,12 @@
 Two runs saving into one `--save` directory delete each other's saves in progress and can commit a
 checkpoint whose data files the other run removed. The coordinator of a run therefore holds an exclusive
 `flock` on `DIR/run.lock` for the run's lifetime; the file records the holder's host and pid so that a
-refused run can say who holds it. The lock is released at close, and by the operating system when the
-process dies (kill -9 included), so a crashed run never leaves the directory locked. The file itself
-stays: deleting it would let a run waiting on the old file and a run creating a new one both succeed.
+refused run can say who holds it. The lock is released at close (or when its holder is garbage-collected:
+a run that ended on an error inside a longer-lived process), and by the operating system when the
+process dies (kill -9 included), so a crashed run never leaves the directory locked. A forked child (a
+data-loader worker) closes its inherited copy of the descriptor at once: otherwise the lock would live on
+in workers that outlive a killed run by seconds, and the restart would be refused. The file itself stays:
+deleting it would let a run waiting on the old file and a run creating a new one both succeed.
 
 A directory that cannot be written (a read-only mount, a path under a regular file) would otherwise fail
 only at the first save, possibly after the whole run: every rank creates and removes a probe file first.
@@ -16,8 +19,24 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import weakref
 
 LOCK_FILE = "run.lock"
+_held_locks: set[weakref.finalize] = set()  # the unlock finalizers of the locks this process holds
+
+
+def _close_inherited_locks() -> None:
+    """In a forked child: close the copies of the parent's lock descriptors (closing a copy never releases
+    the lock) and forget their finalizers (the child must never close those numbers again)."""
+    for unlock in _held_locks:
+        detached = unlock.detach()
+        if detached is not None:
+            _, _, (fd,), _ = detached
+            os.close(fd)
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 def unwritable(root: str) -> str | None:
@@ -38,7 +57,10 @@ class SaveLock:
 
     def __init__(self, root: str, fd: int):
         self.root = root
-        self.fd = fd
+        # Closing the last descriptor of the open file releases the flock; runs once, at release or at
+        # garbage collection.
+        self._unlock = weakref.finalize(self, os.close, fd)
+        _held_locks.add(self._unlock)
 
     @classmethod
     def acquire(cls, root: str) -> tuple[SaveLock | None, str | None]:
@@ -63,6 +85,5 @@ class SaveLock:
         return cls(root, fd), None
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the only descriptor releases the flock
-            self.fd = None
+        _held_locks.discard(self._unlock)
+        self._unlock()
