@@ -66,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(argv, world_size)
     except ConfigError as error:
-        report(error, debug)
-        if world_size > 1:  # torchrun stops the other ranks at the first exit: give them time to report too
-            time.sleep(2.0)
-        return 2
+        return _fail(error, debug, world_size, status=2)
     from megatron_lite.parallel.lifecycle import as_timeout_error
     from megatron_lite.training import pretrain
 
@@ -77,15 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pretrain(config, model_provider, forward_step)
     except UserError as error:
-        report(error, debug)
-        return 1
+        return _fail(error, debug, world_size)
     except RuntimeError as error:
         timeout = as_timeout_error(error, config.training.distributed_timeout_minutes)
         if timeout is None:
             raise
-        report(timeout, debug)
-        return 1
+        return _fail(timeout, debug, world_size)
     return 0
+
+
+def _fail(error: BaseException, debug: bool, world_size: int, status: int = 1) -> int:
+    """Report `error` in one line and return the exit status. torchrun stops the other ranks at the first
+    exit, so with several ranks wait a moment: the others, which usually found the same problem, report too."""
+    report(error, debug)
+    if world_size > 1:
+        time.sleep(2.0)
+    return status
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def build_model(config: Config, pstate: ParallelState, model_provider, device) -
 def _num_samples(config: Config) -> tuple[int, int, int]:
     t = config.training
     gbs = t.global_batch_size
-    evaluations = t.train_iters // t.eval_interval + 1
+    evaluations = t.train_iters // t.eval_interval  # the loop evaluates every eval_interval iterations
     return t.train_iters * gbs, evaluations * t.eval_iters * gbs, t.eval_iters * gbs
 
 
@@ -266,19 +266,39 @@ def pretrain(config: Config, model_provider, forward_step_func) -> list[dict]:
 
 
 def _train(config: Config, pstate: ParallelState, device, model_provider, forward_step_func) -> list[dict]:
+    """Check the inputs that can be checked cheaply (the corpus, the checkpoint directory), then train. A
+    background save still in flight when an error ends the run completes, but no rank waits for others."""
     set_vocab_size_from_tokenizer(config)
+    datasets = build_datasets(config)  # first: a broken corpus fails before any compute
+    c = config.checkpoint
+    checkpointer = Checkpointer(config, pstate, device) if c.save or c.load else None
+    try:
+        history = _run(config, pstate, device, model_provider, forward_step_func, datasets, checkpointer)
+    except BaseException:
+        if checkpointer is not None:
+            checkpointer.close(wait_for_peers=False)
+        raise
+    if checkpointer is not None:
+        checkpointer.close()
+    return history
+
+
+def _run(config: Config, pstate: ParallelState, device, model_provider, forward_step_func, datasets,
+         checkpointer: Checkpointer | None) -> list[dict]:
+    """Build the model and optimizer, resume, and iterate: log, evaluate, save, stop when told to."""
+    train_ds, valid_ds, _ = datasets
+    c, t = config.checkpoint, config.training
     model = build_model(config, pstate, model_provider, device)
     optimizer = build_optimizer(config, model, pstate)
-    c, t = config.checkpoint, config.training
-    checkpointer = Checkpointer(config, pstate, device) if c.save or c.load else None
     resume = checkpointer.load_checkpoint(model, optimizer) if c.load else ResumeState()
-    train_ds, valid_ds, _ = build_datasets(config)
     consumed_samples = resume.consumed_samples
     timers = PhaseTimers(device)
     train_iterator = timers.timed_iterator(build_data_iterator(train_ds, config, pstate, consumed_samples)
                                            if resume.iteration < t.train_iters else None)
-    valid_consumed = resume.iteration // t.eval_interval * t.eval_iters * t.global_batch_size
-    valid_iterator = build_data_iterator(valid_ds, config, pstate, valid_consumed)
+    evaluations_done = resume.iteration // t.eval_interval
+    valid_consumed = evaluations_done * t.eval_iters * t.global_batch_size
+    valid_iterator = (build_data_iterator(valid_ds, config, pstate, valid_consumed)
+                      if evaluations_done < t.train_iters // t.eval_interval else None)
     resume.restore_rng(model, device)  # after the data loaders, which draw from the generator when built
     is_logging_rank = pstate.rank == pstate.layout.world_size - 1
     logger = TrainingLogger(config, device, pstate.layout.world_size, is_logging_rank)
@@ -288,7 +308,6 @@ def _train(config: Config, pstate: ParallelState, device, model_provider, forwar
         chunk.train()
     logger.reset_timer()
     completed = resume.iteration
-    finished = False
     try:
         with ExitSignalHandler(t.exit_signal_handler) as signal_handler:
             exit_conditions = ExitConditions(config, pstate, device, signal_handler)
@@ -317,9 +336,6 @@ def _train(config: Config, pstate: ParallelState, device, model_provider, forwar
                     break
             if c.save:
                 checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer)
-        finished = True
     finally:
-        if checkpointer is not None:
-            checkpointer.close(wait_for_peers=finished)
         logger.close()
     return history
