@@ -64,7 +64,7 @@ class GPTModel(torch.nn.Module):
                  num_layers: int | None = None, sequence_parallel: bool = False,
                  device: torch.device | None = None, mlp_factory=None, cp_comm_type: str = "p2p"):
         super().__init__()
-        device = device or torch.device("cpu")
+        device = torch.device(device or "cpu")
         self.config = config
         self.pstate = pstate
         self.pre_process, self.post_process = pre_process, post_process
@@ -75,31 +75,30 @@ class GPTModel(torch.nn.Module):
         num_layers = config.num_layers if num_layers is None else num_layers
         tracker = RNGTracker(seed, pstate.tp_rank, pstate.pp_rank, device, layer_offset)
         backend = choose_attention_backend(config.attention_backend, device)
-
-        if pre_process:
-            self.embedding = Embedding(config, pstate, padded_vocab, sequence_parallel=sequence_parallel,
-                                       rng_tracker=tracker)
-        self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base)
-                       if config.position_embedding_type == "rope" else None)
-        layers = []
-        for number in range(layer_offset, layer_offset + num_layers):
-            mlp = mlp_factory(number) if mlp_factory is not None else None
-            layers.append(TransformerLayer(config, pstate, number, sequence_parallel=sequence_parallel,
-                                           attention_backend=backend, rng_tracker=tracker, mlp=mlp))
-            layers[-1].self_attention.core_attention.cp_comm_type = cp_comm_type
-        self.decoder = TransformerBlock(layers, config, final_norm=post_process,
-                                        sequence_parallel=sequence_parallel, rng_tracker=tracker)
-        if post_process:
-            self.output_layer = ColumnParallelLinear(config.hidden_size, padded_vocab, pstate, bias=False,
-                                                     sequence_parallel=sequence_parallel)
-            self.output_layer.weight.spec.valid_rows = config.vocab_size
-            if self.share_embeddings and pre_process:
-                self.output_layer.weight = None  # the output layer reads the input embedding table
-            elif self.share_embeddings:
-                self.output_layer.weight.is_embedding_copy = True  # kept equal to the first stage's
+        with device:  # parameters and buffers are made where they live, not on the host and then copied
+            if pre_process:
+                self.embedding = Embedding(config, pstate, padded_vocab, sequence_parallel=sequence_parallel,
+                                           rng_tracker=tracker)
+            self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base)
+                           if config.position_embedding_type == "rope" else None)
+            layers = []
+            for number in range(layer_offset, layer_offset + num_layers):
+                mlp = mlp_factory(number) if mlp_factory is not None else None
+                layers.append(TransformerLayer(config, pstate, number, sequence_parallel=sequence_parallel,
+                                               attention_backend=backend, rng_tracker=tracker, mlp=mlp))
+                layers[-1].self_attention.core_attention.cp_comm_type = cp_comm_type
+            self.decoder = TransformerBlock(layers, config, final_norm=post_process,
+                                            sequence_parallel=sequence_parallel, rng_tracker=tracker)
+            if post_process:
+                self.output_layer = ColumnParallelLinear(config.hidden_size, padded_vocab, pstate, bias=False,
+                                                         sequence_parallel=sequence_parallel)
+                self.output_layer.weight.spec.valid_rows = config.vocab_size
+                if self.share_embeddings and pre_process:
+                    self.output_layer.weight = None  # the output layer reads the input embedding table
+                elif self.share_embeddings:
+                    self.output_layer.weight.is_embedding_copy = True  # kept equal to the first stage's
         initialize_parameters(self.named_global_parameters(), seed, config.init_method_std, config.num_layers,
                               pstate.tp_rank, pstate.tp_size)
-        self.to(device)
 
     # ----------------------------------------------------------------------------------------------
     def global_name(self, local_name: str) -> str:

@@ -34,6 +34,11 @@ import torch
 from megatron_lite.parallel.p2p import PipelineCommunicator, trace, trace_enabled
 
 
+def _zero_tokens(model_chunk: torch.nn.Module) -> torch.Tensor:
+    """The running token count: float64, on the model's device, where the loss masks are."""
+    return torch.zeros((), dtype=torch.float64, device=next(model_chunk.parameters()).device)
+
+
 def _accumulate(reports: list[dict], total_tokens: torch.Tensor, loss_func, output) -> torch.Tensor:
     loss_sum, num_tokens, report = loss_func(output)
     reports.append(report)
@@ -45,7 +50,7 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_
                                    loss_scale: float = 1.0, forward_only: bool = False, **_):
     """All micro-batches on one stage: forward then backward each, reducing gradients only after the last."""
     chunk = model[0] if isinstance(model, list) else model
-    reports, total_tokens = [], torch.zeros((), dtype=torch.float64)
+    reports, total_tokens = [], _zero_tokens(chunk)
     no_sync = getattr(chunk, "no_sync", contextlib.nullcontext)
     for index in range(num_microbatches):
         last = index == num_microbatches - 1
@@ -109,7 +114,7 @@ class _MicroBatchRunner:
         self.stats = stats
         stats.start = time.perf_counter()
         self.reports: list[dict] = []
-        self.total_tokens = torch.zeros((), dtype=torch.float64)
+        self.total_tokens = _zero_tokens(model[0])
 
     def computes_loss(self, chunk_id: int) -> bool:
         return self.pstate.is_last_stage and chunk_id == len(self.model) - 1
