@@ -7,6 +7,7 @@ together as one ConfigError, so a bad layout fails on every rank before any coll
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,7 @@ _INT_MINIMUMS = {
     "lr_warmup_iters": 0, "lr_decay_iters": 1, "loss_scale_window": 1, "hysteresis": 1, "num_workers": 0,
     "micro_batch_size": 1, "global_batch_size": 1, "train_iters": 1, "eval_interval": 1, "eval_iters": 0,
     "seed": 0, "exit_interval": 1, "save_interval": 1, "keep_last_n": 1, "ckpt_step": 0, "log_interval": 1,
+    "tensorboard_log_interval": 1,
 }
 _POSITIVE_FLOATS = {"rotary_base", "norm_epsilon", "moe_expert_capacity_factor", "loss_scale", "initial_loss_scale",
                     "min_loss_scale", "exit_duration_in_mins", "distributed_timeout_minutes", "peak_tflops"}
@@ -200,6 +202,8 @@ def _checkpoint_problems(config: Config) -> list[str]:
         problems.append("--async-save needs --save DIR")
     if (c.finetune or c.no_load_optim or c.no_load_rng) and not c.load:
         problems.append("--finetune / --no-load-optim / --no-load-rng need --load DIR")
+    if c.ckpt_step is not None and not c.load:
+        problems.append("--ckpt-step needs --load DIR (the checkpoint directory to take that iteration from)")
     return problems
 
 
@@ -212,8 +216,8 @@ def _run_problems(config: Config) -> list[str]:
                         f"({t.micro_batch_size}) x data-parallel size ({p.data_parallel_size}) = {per_step}")
     if not d.mock_data and not d.data_path:
         problems.append("no training data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
-    if config.logging.tensorboard_dir:
-        problems.append("--tensorboard-dir is not supported; follow the run with --wandb-project or --metrics-jsonl")
+    if config.logging.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        problems.append("--tensorboard-dir needs the tensorboard package: pip install 'megatron-lite[tensorboard]'")
     if d.mock_data and not m.vocab_size:
         problems.append("--mock-data needs --vocab-size (or a --model-preset that sets it)")
     if not d.mock_data and d.tokenizer_type == "NullTokenizer" and not m.vocab_size:

@@ -146,3 +146,8 @@ def test_sizes_and_counts_out_of_range_are_one_line_errors(values, message):
 def test_a_tokenizer_without_its_file_or_vocabulary_is_refused_before_training(values, message):
     with pytest.raises(ConfigError, match=message):
         make_config({"model_preset": "llama-tiny", "data_path": ["corpus_text_document"], **values}, world_size=1)
+
+
+def test_ckpt_step_needs_a_checkpoint_directory():
+    with pytest.raises(ConfigError, match="--ckpt-step needs --load DIR"):
+        make_config({"model_preset": "llama-tiny", "mock_data": True, "ckpt_step": 100})
