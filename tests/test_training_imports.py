@@ -1,8 +1,8 @@
-"""The training path runs on a plain CUDA image: without datasets, wandb or sentencepiece installed.
+"""The training path runs on a plain CUDA image: without datasets, wandb, sentencepiece or tensorboard.
 
-GPU images commonly carry torch and a few small libraries but not these (the H200 image here has none of
-them), and nothing can be installed there. They are imported only inside the functions that need them
-(corpus download, --wandb-project, a sentencepiece tokenizer), so a mock-data run never touches them.
+GPU images commonly carry torch and a few small libraries but not these (the H200 image here lacks all but
+sentencepiece), and nothing can be installed there. They are imported only inside the functions that need
+them, so a mock-data run never touches them.
 """
 
 import os
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCKED = ("datasets", "wandb", "sentencepiece")
+BLOCKED = ("datasets", "wandb", "sentencepiece", "tensorboard")
 
 # Runs in a fresh interpreter, where none of BLOCKED has been imported yet.
 SCRIPT = f"""
@@ -36,7 +36,7 @@ sys.exit(pretrain_gpt.main([
 """
 
 
-def test_mock_data_pretraining_runs_without_datasets_wandb_and_sentencepiece():
+def test_mock_data_pretraining_runs_without_optional_packages():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
