@@ -145,10 +145,13 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = 1
-    wandb_project: str | None = None
+    wandb_project: str | None = None  # W&B logging on (default: $WANDB_PROJECT)
     wandb_exp_name: str | None = None
-    wandb_save_dir: str | None = None
-    tensorboard_dir: str | None = None
+    wandb_save_dir: str | None = None  # default: $WANDB_DIR, else ./wandb
+    tensorboard_dir: str | None = None  # TensorBoard logging on (needs the tensorboard extra)
+    tensorboard_log_interval: int = 1  # write TensorBoard scalars every N iterations
+    log_timers_to_tensorboard: bool = False  # also the phase times (time_*_ms, iteration_time_s)
+    log_memory_to_tensorboard: bool = False  # also the peak memory (memory_gib)
     metrics_jsonl: str | None = None
     peak_tflops: float | None = None
     debug: bool = False  # print tracebacks with errors (also MEGATRON_LITE_DEBUG=1)

@@ -1,8 +1,9 @@
-"""What a run reports: one console line per interval, a JSON line per iteration, and W&B.
+"""What a run reports: one console line per interval, a JSON line per iteration, TensorBoard and W&B.
 
 Throughput is measured on the logging rank (the last rank, which holds the loss) from wall time per
 iteration; model FLOPs come from the formula in `training_flops_per_token`, MFU from the device's
-peak (a table of common GPUs, or --peak-tflops).
+peak (a table of common GPUs, or --peak-tflops). TensorBoard and W&B receive the scalars of the JSONL
+records under the same names.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import time
 
 import torch
 
-from megatron_lite.config import Config, ModelConfig
+from megatron_lite.checkpoint.directory import checkpoint_path
+from megatron_lite.config import Config, LoggingConfig, ModelConfig
 from megatron_lite.model.moe import moe_layer_numbers
 from megatron_lite.timers import PhaseTimers
 
@@ -82,6 +84,7 @@ class TrainingLogger:
         self.tokens_per_iteration = config.training.global_batch_size * config.model.seq_length
         self.last_time = time.perf_counter()
         self.jsonl = None
+        self.tensorboard = None
         self.wandb = None
         if enabled:
             self._open_outputs()
@@ -91,13 +94,10 @@ class TrainingLogger:
         if log.metrics_jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(log.metrics_jsonl)), exist_ok=True)
             self.jsonl = open(log.metrics_jsonl, "a")  # noqa: SIM115 - held open for the whole run
-        if log.wandb_project:
-            import wandb
-
-            save_dir = log.wandb_save_dir or os.path.join(os.getcwd(), "wandb")
-            os.makedirs(save_dir, exist_ok=True)
-            self.wandb = wandb.init(project=log.wandb_project, name=log.wandb_exp_name, dir=save_dir,
-                                    config=self.config.to_dict())
+        if log.tensorboard_dir:
+            self.tensorboard = open_tensorboard(self.config)
+        if wandb_project(log):
+            self.wandb = start_wandb(self.config)
 
     def reset_timer(self) -> None:
         self.last_time = time.perf_counter()
@@ -121,11 +121,14 @@ class TrainingLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-        if iteration % self.config.logging.log_interval == 0:
+        log = self.config.logging
+        if self.tensorboard is not None and iteration % log.tensorboard_log_interval == 0:
+            for key, value in tensorboard_scalars(record, log).items():
+                self.tensorboard.add_scalar(key, value, iteration)
+        if iteration % log.log_interval == 0:
             print(format_line(record, self.config.training.train_iters), flush=True)
             if self.wandb is not None:
-                self.wandb.log({k: v for k, v in record.items() if k != "iteration" and not isinstance(v, list)},
-                               step=iteration)
+                self.wandb.log(_scalars(record), step=iteration)
         return record
 
     def log_evaluation(self, iteration: int, loss: float) -> None:
@@ -133,17 +136,96 @@ class TrainingLogger:
             return
         print(f" validation at iteration {iteration} | lm loss {loss:.6f} | ppl {_perplexity(loss):.3f}",
               flush=True)
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("valid_lm_loss", loss, iteration)
         if self.wandb is not None:
             self.wandb.log({"valid_lm_loss": loss}, step=iteration)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"iteration": iteration, "valid_lm_loss": loss}) + "\n")
             self.jsonl.flush()
 
+    def log_checkpoint(self, iteration: int) -> None:
+        """After a save into --save: the W&B run summary names the newest checkpoint, and the run id is kept
+        beside it, so that a run resuming from this checkpoint continues this W&B run."""
+        if self.wandb is None:
+            return
+        save = self.config.checkpoint.save
+        self.wandb.summary.update({"checkpoint_path": os.path.abspath(checkpoint_path(save, iteration)),
+                                   "checkpoint_iteration": iteration})
+        with open(os.path.join(save, WANDB_RUN_ID_FILE), "w") as f:
+            f.write(self.wandb.id + "\n")
+
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _scalars(record: dict) -> dict:
+    """The record's numbers by name, without the iteration (the step) and per-expert lists."""
+    return {key: value for key, value in record.items()
+            if key != "iteration" and isinstance(value, (int, float))}
+
+
+def tensorboard_scalars(record: dict, log: LoggingConfig) -> dict:
+    """The scalars TensorBoard receives: all of the record's, except (as in Megatron) the timers without
+    --log-timers-to-tensorboard and the memory without --log-memory-to-tensorboard."""
+    return {key: value for key, value in _scalars(record).items() if _on_tensorboard(key, log)}
+
+
+def _on_tensorboard(key: str, log: LoggingConfig) -> bool:
+    if key.startswith("time_") or key == "iteration_time_s":
+        return log.log_timers_to_tensorboard
+    return key != "memory_gib" or log.log_memory_to_tensorboard
+
+
+def open_tensorboard(config: Config):
+    """A SummaryWriter on --tensorboard-dir (a resumed run adds an event file beside the earlier ones; TensorBoard
+    reads them as one run), holding the run's configuration as text."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=config.logging.tensorboard_dir)
+    writer.add_text("config", "    " + json.dumps(config.to_dict(), indent=2).replace("\n", "\n    "))
+    return writer
+
+
+# -------------------------------------------------------------------------------------------------------
+# W&B, by its conventions: WANDB_PROJECT and WANDB_DIR stand in for --wandb-project and --wandb-save-dir, and
+# a run that resumes from a checkpoint continues the W&B run that saved it.
+
+WANDB_RUN_ID_FILE = "wandb_run_id.txt"
+
+
+def wandb_project(log: LoggingConfig) -> str | None:
+    return log.wandb_project or os.environ.get("WANDB_PROJECT")
+
+
+def wandb_run_id(config: Config) -> str | None:
+    """WANDB_RUN_ID when set; else, resuming (not fine-tuning) from a checkpoint that a W&B run saved, that
+    run's id; else None, for W&B to start a new run."""
+    if os.environ.get("WANDB_RUN_ID"):
+        return os.environ["WANDB_RUN_ID"]
+    c = config.checkpoint
+    stored = os.path.join(c.load, WANDB_RUN_ID_FILE) if c.load and not c.finetune else None
+    if stored is not None and os.path.isfile(stored):
+        with open(stored) as f:
+            return f.read().strip()
+    return None
+
+
+def start_wandb(config: Config):
+    """The W&B run of this training run (a resumed one when its id exists), with the full configuration."""
+    import wandb
+
+    log = config.logging
+    save_dir = log.wandb_save_dir or os.environ.get("WANDB_DIR")
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+    return wandb.init(project=wandb_project(log), name=log.wandb_exp_name, dir=save_dir, id=wandb_run_id(config),
+                      resume="allow", config=config.to_dict())
 
 
 def _perplexity(loss: float) -> float:

@@ -328,6 +328,7 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                     checkpointer.maybe_finalize_async_save(blocking=False)
                 if c.save_interval and completed % c.save_interval == 0:
                     checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer)
+                    logger.log_checkpoint(completed)
                     logger.reset_timer()
                 reason = exit_conditions.reason(completed)
                 if reason is not None:
@@ -336,6 +337,7 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                     break
             if c.save:
                 checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer)
+                logger.log_checkpoint(completed)
     finally:
         logger.close()
     return history

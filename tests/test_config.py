@@ -66,11 +66,6 @@ def test_data_path_is_required_without_mock_data():
         make_config({"model_preset": "llama-tiny"}, world_size=1)
 
 
-def test_tensorboard_is_refused_rather_than_ignored():
-    with pytest.raises(ConfigError, match="--tensorboard-dir is not supported"):
-        make_config({"model_preset": "llama-tiny", "mock_data": True, "tensorboard_dir": "tb"}, world_size=1)
-
-
 @pytest.mark.parametrize("line, message", [
     ('mock_data: "false"', r"run.yaml: mock_data must be true or false \(a YAML bool, unquoted\), got str 'false'"),
     ("micro-batch-size: 2.5", "run.yaml: micro-batch-size must be an integer, got float 2.5"),

@@ -40,7 +40,8 @@ def _items(items) -> dict:
 
 
 def read_run(path: str, timeout_s: float = 60.0) -> dict:
-    """{"project", "name", "config": {key: json}, "history": [{key: json}, ...]} of one offline run.
+    """{"id", "project", "name", "config": {key: json}, "history": [{key: json}, ...], "summary": {key: json}}
+    of one offline run.
 
     wandb's core process may still be writing the file when `finish()` returns: wait for the exit
     record, which comes last.
@@ -50,12 +51,14 @@ def read_run(path: str, timeout_s: float = 60.0) -> dict:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} has no exit record after {timeout_s}s")
         time.sleep(0.2)
-    run = {"history": []}
+    run = {"history": [], "summary": {}}
     for record in read_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            run.update(project=record.run.project, name=record.run.display_name,
+            run.update(id=record.run.run_id, project=record.run.project, name=record.run.display_name,
                        config=_items(record.run.config.update))
         elif kind == "history":
             run["history"].append(_items(record.history.item))
+        elif kind == "summary":
+            run["summary"].update(_items(record.summary.update))
     return run
