@@ -35,16 +35,21 @@ COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_
                "all_to_all", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier")
 
 
+# The flat (single-tensor) all-gather and reduce-scatter have new names from torch 2.13; count either as one.
+FLAT = {"all_gather_single": "all_gather_flat", "all_gather_into_tensor": "all_gather_flat",
+        "reduce_scatter_single": "reduce_scatter_flat", "reduce_scatter_tensor": "reduce_scatter_flat"}
+
+
 @contextlib.contextmanager
 def counting_collectives(log: list):
-    """Record (name, elements of the first tensor argument's input) for every collective called."""
+    """Record (name, elements of the input tensor) for every collective called."""
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def counted(name, original):
         def call(*args, **kwargs):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            sent = tensors[-1] if name in ("all_gather_single", "reduce_scatter_single") else tensors[0]
-            log.append((name, sent.numel()))
+            sent = tensors[-1] if name in FLAT else tensors[0]  # the flat forms take (output, input)
+            log.append((FLAT.get(name, name), sent.numel()))
             return original(*args, **kwargs)
         return call
 
@@ -108,11 +113,11 @@ ALL_REDUCE = ("all_reduce", S * B * H)
 
 
 def all_gather(tp):
-    return "all_gather_single", S // tp * B * H  # each rank sends its [s/tp, b, h] slice
+    return "all_gather_flat", S // tp * B * H  # each rank sends its [s/tp, b, h] slice
 
 
 def reduce_scatter(tp):
-    return "reduce_scatter_single", S * B * H  # each rank sends its [s, b, h] partial sums
+    return "reduce_scatter_flat", S * B * H  # each rank sends its [s, b, h] partial sums
 
 
 @pytest.mark.parametrize(("name", "tp", "sp"), CASES)
