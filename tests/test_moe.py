@@ -14,6 +14,7 @@ from megatron_lite.model.moe import MoELayer, moe_metrics, moe_mlp_factory, set_
 from megatron_lite.model.moe_router import capacity_keep_mask, expert_capacity
 from megatron_lite.model.sharding import initialize_parameters
 from megatron_lite.parallel.state import Layout, ParallelState
+from tests.tolerances import assert_close_relative
 
 BASE = {"model_preset": "mixtral-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
         "moe_ffn_hidden_size": 48, "num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
@@ -91,10 +92,10 @@ def test_moe_layer_and_its_losses_match_a_direct_computation(variant):
     ((out * upstream.reshape(-1, h)).sum() / (s * b) + aux + z).backward()  # mean loss + aux + z
     expected = [x.grad] + [p.grad for p in layer.parameters()]
     for (name, _), got, want in zip([("x", None), *layer.named_parameters()], grads, expected, strict=True):
-        torch.testing.assert_close(got / (s * b), want, rtol=1e-5, atol=1e-7, msg=name)
+        assert_close_relative(got / (s * b), want, rel=1e-5, msg=name)
 
     with torch.no_grad():
-        torch.testing.assert_close(layer(x).reshape(-1, h), out, rtol=1e-5, atol=1e-6)
+        assert_close_relative(layer(x).reshape(-1, h), out, rel=1e-5)
     metrics = moe_metrics([layer], ParallelState.single(), make_config({**BASE, "num_layers": 1, **variant}))
     assert metrics["moe_aux_loss_layer_0"] == pytest.approx(aux.item(), rel=1e-5)
     assert metrics["moe_z_loss_layer_0"] == pytest.approx(z.item(), rel=1e-5)
@@ -116,7 +117,7 @@ def test_moe_loss_gradients_follow_the_fp16_loss_scale():
     set_moe_loss_scale([layer], 1024.0)
     ((layer(x) * upstream).sum() * 1024.0).backward()
     for got, want in zip([p.grad for p in layer.parameters()], unscaled, strict=True):
-        torch.testing.assert_close(got / 1024.0, want, rtol=1e-5, atol=1e-9)
+        assert_close_relative(got / 1024.0, want, rel=1e-5)
 
 
 def test_capacity_keeps_the_most_probable_tokens_and_breaks_ties_by_position():

@@ -6,13 +6,12 @@ TP shards joined for comparison) also serve test_pipeline_schedules.py.
 
 from __future__ import annotations
 
-import torch
-
 import pretrain_gpt
 from megatron_lite.config import make_config
 from megatron_lite.model.sharding import unshard
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks
+from tests.tolerances import assert_close_relative
 
 TINY_8_LAYERS = {
     "model_preset": "llama-tiny", "mock_data": True, "num_layers": 8, "hidden_size": 64, "ffn_hidden_size": 128,
@@ -73,15 +72,13 @@ def join_shards(records_of_all_ranks: list[list[tuple]]) -> dict[tuple, object]:
 
 
 def assert_tensors_match(parallel: dict[tuple, object], reference: dict[tuple, object], rel: float = 1e-5,
-                         floor: float | None = None):
+                         floor: float = 0.0):
     """Every parallel copy of every parameter equals the single-device tensor element by element, to `rel`
-    of the element plus an absolute `floor` (default: `rel` of the tensor's largest element); every
-    reference parameter is present somewhere in the parallel run."""
+    of the tensor's largest element and at least an absolute `floor`; every reference parameter is present
+    somewhere in the parallel run."""
     seen = set()
     for (name, _replica), tensor in parallel.items():
-        expected = reference[(name, (0, 0, 0))]
-        atol = rel * float(expected.abs().max()) if floor is None else floor
-        torch.testing.assert_close(tensor, expected, rtol=rel, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        assert_close_relative(tensor, reference[(name, (0, 0, 0))], rel=rel, msg=name, floor=floor)
         seen.add(name)
     assert seen == {name for name, _ in reference}
 
