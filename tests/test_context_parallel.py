@@ -29,6 +29,7 @@ from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks
+from tests.tolerances import assert_close_relative
 
 LLAMA = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 64,
          "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 128, "seq_length": 256,
@@ -122,13 +123,12 @@ def test_cp2_and_cp4_both_comm_types_match_single_device():
                 # activations saved for backward fall with the local sequence (no [s, s], no gathered K/V)
                 assert r["saved_bytes"] < 1.1 * reference["saved_bytes"] / cp, (name, cp, comm_type)
             case = f"{name} cp{cp} {comm_type}"
-            torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-5, msg=case)
-            torch.testing.assert_close(loss, reference["loss"], rtol=1e-5, atol=1e-5, msg=case)
+            assert_close_relative(logits, reference["logits"], rel=1e-5, msg=case)
+            assert_close_relative(loss, reference["loss"], rel=1e-5, msg=case)
             grads = replica[0]["grads"]
             assert grads.keys() == reference["grads"].keys()
             for param, grad in reference["grads"].items():
-                torch.testing.assert_close(grads[param], grad, rtol=1e-5, atol=1e-5,
-                                           msg=lambda m, p=param, c=case: f"{c} {p}: {m}")
+                assert_close_relative(grads[param], grad, rel=1e-5, msg=f"{case} {param}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def test_block_kernels_merged_by_lse_equal_causal_sdpa(kernel):
                 out[:, rows], lse[..., rows] = block_out, block_lse
             else:
                 _merge(out[:, rows], lse[..., rows], block_out, block_lse)
-        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+        assert_close_relative(out, reference, rel=1e-5)
         grads = [torch.zeros_like(t) for t in (q, k, v)]
         for rows, keys, causal in blocks:
             dq, dk, dv = kernel.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
@@ -167,7 +167,7 @@ def test_block_kernels_merged_by_lse_equal_causal_sdpa(kernel):
             grads[1][:, keys] += dk
             grads[2][:, keys] += dv
     for grad, tensor in zip(grads, (q, k, v)):
-        torch.testing.assert_close(grad, tensor.grad, rtol=1e-5, atol=1e-5)
+        assert_close_relative(grad, tensor.grad, rel=1e-5)
 
 
 def test_batch_split_is_load_balanced():

@@ -24,6 +24,7 @@ from megatron_lite.hf.checkpoint import resolve_checkpoint
 from megatron_lite.model.gpt import gather_vocab_logits
 from megatron_lite.training import build_model, get_schedule, initialize, pretrain
 from tests.harness import run_on_ranks
+from tests.tolerances import assert_close_relative
 from tools import convert_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -136,7 +137,7 @@ def one_line_error(*argv: str) -> str:
 def test_converted_model_logits_equal_transformers(converted, family):
     hf_dir, mlite_dir = converted[family]
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(our_logits(mlite_dir, ids), hf_logits(hf_dir, ids), rtol=1e-4, atol=1e-4)
+    assert_close_relative(our_logits(mlite_dir, ids), hf_logits(hf_dir, ids), rel=1e-4)
 
 
 def test_converted_checkpoint_carries_tokenizer_and_model_flags(converted):
@@ -197,7 +198,7 @@ def test_converted_checkpoints_load_at_tp2_pp2_with_transformers_logits_and_loss
     samples = torch.stack([torch.as_tensor(dataset[i]) for i in range(2)])  # the first global batch
     for family, (hf_dir, _) in converted.items():
         logits, first_loss = last_stage[family]
-        torch.testing.assert_close(logits, hf_logits(hf_dir, ids), rtol=1e-4, atol=1e-4, msg=family)
+        assert_close_relative(logits, hf_logits(hf_dir, ids), rel=1e-4, msg=family)
         reference = torch.nn.functional.cross_entropy(hf_logits(hf_dir, samples[:, :-1]).reshape(-1, VOCAB),
                                                       samples[:, 1:].reshape(-1))
         assert first_loss == pytest.approx(reference.item(), rel=1e-5), family
@@ -259,8 +260,7 @@ def test_trained_checkpoint_exports_to_transformers_with_our_logits(family, tmp_
     if family == "llama":  # tied embeddings: no lm_head, as save_pretrained writes them
         assert exported["tie_word_embeddings"] and "lm_head.weight" not in load_file(tmp_path / "hf/model.safetensors")
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
-    torch.testing.assert_close(hf_logits(str(tmp_path / "hf"), ids), our_logits(str(tmp_path / "run"), ids),
-                               rtol=1e-4, atol=1e-4)
+    assert_close_relative(hf_logits(str(tmp_path / "hf"), ids), our_logits(str(tmp_path / "run"), ids), rel=1e-4)
 
 
 # -------------------------------------------------------------------------------------------------------
