@@ -28,6 +28,7 @@ from megatron_lite.training import (
     train_step,
 )
 from tests.harness import run_on_ranks
+from tests.tolerances import assert_close_in_norm
 
 TINY = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
         "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 256, "seq_length": 32,
@@ -127,7 +128,8 @@ def check_state_against_single_device(results_of_ranks: list[dict], reference: d
         state = assemble_state([r[strategy] for r in results_of_ranks])
         assert state.keys() == reference_state.keys()
         for key, tensor in state.items():
-            torch.testing.assert_close(tensor, reference_state[key], rtol=1e-5, atol=1e-7)
+            # L2 per tensor, as the weights: after 10 Adam steps no_shard is 2e-5 from one device (WEIGHT_TOLERANCE)
+            assert_close_in_norm(tensor, reference_state[key], rel=3e-5, msg=f"{strategy} {key}")
         assert all(r[strategy]["state"]["optimizer.step"] == TINY["train_iters"] for r in results_of_ranks)
 
 
