@@ -8,6 +8,7 @@ nn.Embedding and F.cross_entropy on the full tensors and compares.
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.model.sharding import ShardSpec, global_initial_value, shard, unshard
@@ -306,3 +307,35 @@ def test_padded_vocabulary_rows_start_from_the_same_values_whatever_the_padding(
                   for padded in (8, 16)]
         assert torch.equal(tables[0][:7], tables[1][:7])
         assert torch.count_nonzero(tables[1][7:]) == 0
+
+
+class _NewFullSizeFloatBuffers(TorchDispatchMode):
+    """Counts the distinct fp32 tensors of a given number of elements that ops create (in-place results and
+    views of an already counted buffer are the same buffer)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel = numel
+        self.buffers: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.numel() == self.numel:
+                self.buffers.add(tensor.untyped_storage().data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cross_entropy_works_in_one_fp32_buffer_of_the_logits_size(dtype):
+    vocab, padded = 1000, 1024  # padded columns are masked inside the same buffer
+    logits = torch.randn(16, 2, padded, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, vocab, (16, 2))
+    counter = _NewFullSizeFloatBuffers(logits.numel())
+    with counter:
+        loss = vocab_parallel_cross_entropy(logits, target, ParallelState.single(), vocab)
+        loss.sum().backward()
+    assert len(counter.buffers) == 1
+    reference = F.cross_entropy(logits.detach().float()[..., :vocab].reshape(-1, vocab), target.reshape(-1),
+                                reduction="none").view(16, 2)
+    assert_close_relative(loss.detach(), reference, rel=1e-5)

@@ -109,37 +109,39 @@ class VocabParallelEmbedding(torch.nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split by vocabulary, without gathering them: three all-reduces over TP
-    (the max for stability, the target's logit, the sum of exponentials)."""
+    (the max for stability, the target's logit, the sum of exponentials).
+
+    The logits are the largest activation of a language model ([s, b, v/tp]), so the loss works in one
+    fp32 buffer of their size, in place: the fp32 copy of the logits becomes the shifted logits, their
+    exponentials, the softmax that backward needs, and finally the gradient. Every other intermediate is
+    one value per token."""
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, vocab_size, label_smoothing):
-        logits = logits.float()
         local_vocab = logits.shape[-1]
         padded_from = max(min(vocab_size - vocab_start, local_vocab), 0)
+        probs = logits.float() if logits.dtype != torch.float32 else logits.clone()  # the one fp32 buffer
         if padded_from < local_vocab:  # padded vocabulary columns take no probability mass
-            logits = logits.clone()
-            logits[..., padded_from:] = float("-inf")
-        logits_max = mappings.all_reduce(logits.max(dim=-1).values, group, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+            probs[..., padded_from:] = float("-inf")
+        logits_max = mappings.all_reduce(probs.amax(dim=-1), group, op=torch.distributed.ReduceOp.MAX)
+        probs.sub_(logits_max.unsqueeze(-1))  # shifted logits
 
         outside = (target < vocab_start) | (target >= vocab_start + local_vocab)
         local_target = (target - vocab_start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = probs.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         target_logit = mappings.all_reduce(target_logit, group)
+        if label_smoothing > 0:
+            sum_logits = mappings.all_reduce(probs[..., :padded_from].sum(dim=-1), group)
 
-        exp = shifted.exp()
-        sum_exp = mappings.all_reduce(exp.sum(dim=-1), group)
+        sum_exp = mappings.all_reduce(probs.exp_().sum(dim=-1), group)
         log_sum_exp = sum_exp.log()
         loss = log_sum_exp - target_logit
-
         if label_smoothing > 0:
             # Smoothed target: (1 - eps) on the label, eps spread evenly over the real vocabulary.
-            valid = shifted[..., :padded_from]
-            sum_logits = mappings.all_reduce(valid.sum(dim=-1), group)
             mean_log_prob = sum_logits / vocab_size - log_sum_exp
             loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_prob
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        softmax = probs.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside)
         ctx.label_smoothing, ctx.vocab_size, ctx.padded_from = label_smoothing, vocab_size, padded_from
         return loss
