@@ -3,8 +3,9 @@
 One call on a 4-rank world runs every model case (CP2 x DP2 and CP4, both comm types, Llama with GQA and
 RoPE and GPT-2 with learned positions) and returns each rank's logits and per-token losses for its
 positions and the gradients summed over the cp group; the pytest process puts the sequence back together
-and compares with the single-device model built from the same seed. Training runs CP2 with TP2 + SP, DP2
-(all-gather, full recomputation) and PP2 for 10 steps against one process.
+and compares with the single-device model built from the same seed. Ring attention alone (CP4, torch's CPU
+flash kernel) equals causal SDPA on the whole sequence and creates no tensor the size of a block of scores.
+Training runs CP2 with TP2 + SP, DP2 (all-gather, full recomputation) and PP2 for 10 steps against one process.
 """
 
 import functools
@@ -13,13 +14,16 @@ from contextlib import redirect_stderr
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import pretrain_gpt
 from megatron_lite.config import ConfigError, make_config
 from megatron_lite.model.context_parallel import (
     CpuFlashKernel,
-    MathKernel,
+    RingAttention,
     _merge,
     get_batch_on_this_cp_rank,
     load_balanced_indices,
@@ -135,8 +139,7 @@ def test_cp2_and_cp4_both_comm_types_match_single_device():
 # Block kernels and the merge, in the pytest process
 
 
-@pytest.mark.parametrize("kernel", [CpuFlashKernel, MathKernel])
-def test_block_kernels_merged_by_lse_equal_causal_sdpa(kernel):
+def test_cpu_block_kernel_merged_by_lse_equals_causal_sdpa():
     """Causal attention assembled from three blocks (two causal diagonals, one unmasked rectangle) merged by
     log-sum-exp equals SDPA, forward and backward, with GQA."""
     b, s, nh, ng, d, half = 2, 48, 4, 2, 16, 24
@@ -153,7 +156,7 @@ def test_block_kernels_merged_by_lse_equal_causal_sdpa(kernel):
         out = torch.empty(q.shape)
         lse = torch.empty(b, nh, s)
         for rows, keys, causal in blocks:
-            block_out, block_lse = kernel.forward(q[:, rows], k[:, keys], v[:, keys], causal, scale)
+            block_out, block_lse = CpuFlashKernel.forward(q[:, rows], k[:, keys], v[:, keys], causal, scale)
             if causal:
                 out[:, rows], lse[..., rows] = block_out, block_lse
             else:
@@ -161,8 +164,8 @@ def test_block_kernels_merged_by_lse_equal_causal_sdpa(kernel):
         assert_close_relative(out, reference, rel=1e-5)
         grads = [torch.zeros_like(t) for t in (q, k, v)]
         for rows, keys, causal in blocks:
-            dq, dk, dv = kernel.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
-                                         lse[..., rows], causal, scale)
+            dq, dk, dv = CpuFlashKernel.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+                                                 lse[..., rows], causal, scale)
             grads[0][:, rows] += dq
             grads[1][:, keys] += dk
             grads[2][:, keys] += dv
@@ -183,6 +186,70 @@ def test_batch_split_is_load_balanced():
     assert local["position_ids"].tolist() == [2, 3, 4, 5]
     for key in ("tokens", "labels", "loss_mask"):
         assert torch.equal(local[key], batch[key][:, 2:6])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ring attention alone, on 4 ranks
+
+RING_SHAPE = (2, 256, 4, 2, 8)  # b, s, nh, ng, d: d small, so q/k/v blocks are smaller than score blocks
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every aten op that runs below autograd, with the most elements among its outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.calls.append((func.overloadpacket.__name__, max(sizes, default=0)))
+        return out
+
+
+def whole_sequence_attention_inputs() -> list[torch.Tensor]:
+    """q, k, v [b, s, n, d] with grouped K/V heads, and an output gradient: the same on every rank."""
+    b, s, nh, ng, d = RING_SHAPE
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randn(b, s, n, d, generator=generator) for n in (nh, ng, ng, nh)]
+
+
+def ring_attention_on_rank() -> dict:
+    *qkv, dout = whole_sequence_attention_inputs()
+    index = load_balanced_indices(RING_SHAPE[1], dist.get_world_size(), dist.get_rank())
+    q, k, v = (t[:, index].requires_grad_() for t in qkv)
+    with OpRecorder() as recorder:
+        out = RingAttention.apply(q, k, v, dist.group.WORLD, CpuFlashKernel)
+        out.backward(dout[:, index])
+    return {"index": index, "out": out.detach(), "grads": [q.grad, k.grad, v.grad], "calls": recorder.calls}
+
+
+def test_ring_attention_on_cpu_equals_causal_sdpa_without_score_tensors():
+    """CP4 ring attention's output and q/k/v gradients equal causal SDPA over the whole sequence, and no op it
+    runs, forward or backward, is a matmul or outputs as many elements as the smallest block of scores
+    [b, nh, s/2cp, s/2cp]."""
+    per_rank = run_on_ranks(4, ring_attention_on_rank)
+    b, s, nh, _, _ = RING_SHAPE
+    *qkv, dout = whole_sequence_attention_inputs()
+    q, k, v = (t.requires_grad_() for t in qkv)
+    reference = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                               enable_gqa=True).transpose(1, 2)
+    reference.backward(dout)
+    out = torch.empty_like(reference)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    for rank in per_rank:
+        out[:, rank["index"]] = rank["out"]
+        for grad, local in zip(grads, rank["grads"]):
+            grad[:, rank["index"]] = local
+        names = {name for name, _ in rank["calls"]}
+        assert {"_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_flash_attention_for_cpu_backward"} <= names
+        assert not names & {"mm", "bmm", "matmul", "baddbmm", "addmm"}, names
+        assert max(numel for _, numel in rank["calls"]) < b * nh * (s // 8) ** 2
+    assert_close_relative(out, reference.detach(), rel=1e-5)
+    for grad, tensor in zip(grads, (q, k, v)):
+        assert_close_relative(grad, tensor.grad, rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -23,10 +23,11 @@ gathered on every rank (small with GQA); each local query chunk attends to the p
 gradients to the owners. Simpler than the ring and as fast at small cp, but each rank briefly holds the
 sequence's K/V.
 
-Block kernels return the LSE: flash-attn on CUDA when installed, torch's CPU flash-attention kernel (the
-one SDPA runs on CPU) on CPU, plain fp32 matmuls otherwise. The running output, LSE and gradient
-accumulators are fp32 whatever the activation dtype. No rank holds more than one block of scores, and
-only for the duration of a kernel call; activations saved for backward are those of the local s/cp tokens.
+Block kernels are fused attention kernels that return the LSE and take it back in backward: flash-attn's
+with --attention-backend flash, else torch's own SDPA ops: on CPU its flash-attention kernel, on CUDA its
+flash-attention op (bf16/fp16) or memory-efficient op (fp32). None of them creates a [b, h, sq, sk] score
+tensor: scores exist only tile by tile inside the kernel. The running output, LSE and gradient accumulators
+are fp32 whatever the activation dtype; activations saved for backward are those of the local s/cp tokens.
 Attention dropout is not supported here (config validation says so).
 """
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
@@ -111,51 +113,71 @@ class FlashAttnKernel:
         return dq, dk, dv
 
 
-class MathKernel:
-    """Plain matmuls in fp32 on any device: one [b, nh, sq, sk] block of scores at a time."""
+class CudaFlashKernel:
+    """torch's CUDA flash-attention op (SDPA's flash backend), bf16/fp16 only; it takes grouped K/V heads as they are.
+
+    Unlike SDPA it does not pad the head dimension: head_dim must be a multiple of 8, at most 256. The
+    backward's cumulative sequence lengths (varlen only) and RNG state (dropout only) are None: unused here.
+    """
 
     @staticmethod
-    def _expand(q, k, v):
-        """[b, s, n, d] -> [b, n, s, d] in fp32, K/V heads repeated for their query heads (GQA)."""
-        groups = q.shape[2] // k.shape[2]
-        return (q.float().transpose(1, 2), k.float().transpose(1, 2).repeat_interleave(groups, 1),
-                v.float().transpose(1, 2).repeat_interleave(groups, 1))
+    def forward(q, k, v, causal: bool, scale: float):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), 0.0, causal, scale=scale)[:2]  # [b, n, s, d] layout
+        return out.transpose(1, 2), lse
 
     @staticmethod
-    def _scores(q, k, causal: bool, scale: float):
-        scores = q @ k.transpose(-1, -2) * scale  # [b, nh, sq, sk]
-        if causal:
-            future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-            scores.masked_fill_(future, float("-inf"))
-        return scores
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.contiguous(), None, None, q.shape[1],
+            k.shape[1], 0.0, causal, None, None, scale=scale)
+        return tuple(g.transpose(1, 2) for g in grads)
+
+
+class CudaEfficientKernel:
+    """torch's CUDA memory-efficient attention op (SDPA's efficient backend), used for fp32, which flash
+    does not take.
+
+    It has no grouped-query attention: K/V heads are repeated for their query heads and their gradients
+    summed back per group. Its LSE rows are padded to a multiple of 32; the forward returns the true rows
+    and the backward pads them again. The RNG state (dropout only) is None: unused here.
+    """
+
+    @staticmethod
+    def _repeat_heads(t, num_heads: int):
+        return t.repeat_interleave(num_heads // t.shape[2], dim=2)  # [b, s, ng, d] -> [b, s, nh, d]
+
+    @staticmethod
+    def _sum_heads(grad, num_groups: int):
+        return grad.unflatten(1, (num_groups, -1)).sum(2).transpose(1, 2)  # [b, nh, s, d] -> [b, s, ng, d]
 
     @classmethod
     def forward(cls, q, k, v, causal: bool, scale: float):
-        qf, kf, vf = cls._expand(q, k, v)
-        scores = cls._scores(qf, kf, causal, scale)
-        lse = scores.logsumexp(-1)  # [b, nh, sq]
-        out = (scores - lse.unsqueeze(-1)).exp() @ vf
-        return out.transpose(1, 2).to(q.dtype), lse
+        k, v = cls._repeat_heads(k, q.shape[2]), cls._repeat_heads(v, q.shape[2])
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), None, True, 0.0, causal, scale=scale)[:2]
+        return out.transpose(1, 2), lse[..., :q.shape[1]]
 
     @classmethod
     def backward(cls, dout, q, k, v, out, lse, causal: bool, scale: float):
-        qf, kf, vf = cls._expand(q, k, v)
-        probs = (cls._scores(qf, kf, causal, scale) - lse.unsqueeze(-1)).exp()  # [b, nh, sq, sk]
-        do, of = dout.float().transpose(1, 2), out.float().transpose(1, 2)
-        dv = probs.transpose(-1, -2) @ do
-        dscores = probs * (do @ vf.transpose(-1, -2) - (do * of).sum(-1, keepdim=True))
-        dq = dscores @ kf * scale
-        dk = dscores.transpose(-1, -2) @ qf * scale
-        b, ng, sk, d = k.shape[0], k.shape[2], k.shape[1], k.shape[3]
-        fold = lambda g: g.view(b, ng, -1, sk, d).sum(2).transpose(1, 2).to(k.dtype)  # noqa: E731 - sum a group
-        return dq.transpose(1, 2).to(q.dtype), fold(dk), fold(dv)
+        ng = k.shape[2]
+        k, v = cls._repeat_heads(k, q.shape[2]), cls._repeat_heads(v, q.shape[2])
+        padded_lse = F.pad(lse, (0, -lse.shape[-1] % 32))
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+            out.transpose(1, 2), padded_lse, None, None, 0.0, [True, True, True, False], causal, scale=scale)
+        return dq.transpose(1, 2), cls._sum_heads(dk, ng), cls._sum_heads(dv, ng)
 
 
-def choose_block_kernel(backend: str, device: torch.device):
-    """The kernel for the attention backend: flash-attn's when chosen, else torch's on CPU, else matmuls."""
+def choose_block_kernel(backend: str, device: torch.device, dtype: torch.dtype):
+    """flash-attn's kernel when it is the attention backend, else torch's op for the device and dtype."""
     if backend == "flash":
         return FlashAttnKernel
-    return CpuFlashKernel if device.type == "cpu" else MathKernel
+    if device.type == "cpu":
+        return CpuFlashKernel
+    if device.type == "cuda":
+        return CudaFlashKernel if dtype in (torch.bfloat16, torch.float16) else CudaEfficientKernel
+    raise ValueError(f"context parallelism runs on CPU or CUDA devices, not {device.type}")
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -343,7 +365,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """q [s/cp, b, nh, d], k/v [s/cp, b, ng, d] of this rank's chunks -> [s/cp, b, nh * d], causal over the
     whole sequence of the cp group."""
     s, b = q.shape[:2]
-    kernel = choose_block_kernel(backend, q.device)
+    kernel = choose_block_kernel(backend, q.device, q.dtype)
     attention = RingAttention if comm_type == "p2p" else AllGatherAttention
     out = attention.apply(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), group, kernel)
     return out.transpose(0, 1).reshape(s, b, -1)  # [b, s/cp, nh, d] -> [s/cp, b, nh*d]
