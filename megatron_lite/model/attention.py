@@ -4,12 +4,20 @@ The fused QKV weight is laid out per query group, as in Megatron: for each of th
 the group's `nh/ng` query heads, then its key head, then its value head. Tensor parallelism splits the
 groups across ranks, so each rank's contiguous slice of the QKV output holds whole groups and
 attention runs on local heads with no communication; the output projection is row-parallel.
+
+The kernel is torch's scaled_dot_product_attention (SDPA) unless flash-attn is asked for. On CUDA in
+bf16/fp16, SDPA may use only its fused kernels (cuDNN, flash, memory-efficient): its math fallback
+materialises the [b, h, s, s] scores, so a case no fused kernel takes raises instead of silently running
+slower and in far more memory. `sdpa_kernel_name` says which kernel actually runs for given shapes.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.context_parallel import context_parallel_attention
@@ -17,7 +25,7 @@ from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParalle
 from megatron_lite.parallel.random import RNGTracker, checkpoint
 from megatron_lite.parallel.state import ParallelState
 
-try:  # optional CUDA kernel; torch SDPA is the portable fallback
+try:  # optional CUDA kernel, used only with --attention-backend flash
     from flash_attn import flash_attn_func
 except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_func = None
@@ -46,14 +54,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def choose_attention_backend(requested: str, device: torch.device) -> str:
-    """flash-attn on CUDA when installed (or when asked), else torch's scaled_dot_product_attention."""
+    """"sdpa" unless flash-attn is asked for (--attention-backend flash).
+
+    "auto" is SDPA everywhere: flash-attn would be preferred only where it is measured faster than SDPA's
+    own cuDNN and flash kernels, and no such measurement exists.
+    """
     if requested == "flash":
         if flash_attn_func is None or device.type != "cuda":
             raise RuntimeError("--attention-backend flash needs the flash-attn package and a CUDA device")
         return "flash"
-    if requested == "auto" and flash_attn_func is not None and device.type == "cuda":
-        return "flash"
     return "sdpa"
+
+
+FUSED_CUDA_KERNELS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def fused_sdpa_only(q: torch.Tensor):
+    """A context in which SDPA may not fall back to math for this bf16/fp16 CUDA query: with no fused kernel
+    for the case it raises "No available kernel" (torch's warnings say why each kernel declined).
+    Elsewhere (CPU, fp32) SDPA chooses freely."""
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
+        return sdpa_kernel(FUSED_CUDA_KERNELS)
+    return nullcontext()
 
 
 class CoreAttention(torch.nn.Module):
@@ -84,12 +106,34 @@ class CoreAttention(torch.nn.Module):
                                   dropout_p=dropout, causal=True)  # [b, s, nh, d]
             return out.transpose(0, 1).reshape(s, b, -1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-        if dropout > 0 and self.rng_tracker is not None:
-            with self.rng_tracker.fork():  # heads are split over TP: masks must differ per TP rank
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True)
-        else:
+        # heads are split over TP: dropout masks must differ per TP rank
+        rng = self.rng_tracker.fork() if dropout > 0 and self.rng_tracker is not None else nullcontext()
+        with rng, fused_sdpa_only(q):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [b, nh, s, d] -> [s, b, nh*d]
+
+
+def sdpa_kernel_name(batch: int, seq_length: int, num_heads: int, num_query_groups: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device | str, dropout: float = 0.0) -> str:
+    """The aten op that SDPA runs for CoreAttention's training forward at these shapes (one rank's heads):
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu", or the math
+    fallback "_scaled_dot_product_attention_math".
+
+    It runs one forward under torch.profiler and reads the op's name, so a benchmark reports the kernel
+    that ran rather than the one it expected. Raises where CoreAttention would (no fused kernel on CUDA).
+    """
+    core = CoreAttention(dropout, "sdpa", rng_tracker=None)
+    q = torch.randn(seq_length, batch, num_heads, head_dim, dtype=dtype, device=device, requires_grad=True)
+    k, v = (torch.randn(seq_length, batch, num_query_groups, head_dim, dtype=dtype, device=device,
+                        requires_grad=True) for _ in range(2))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        core(q, k, v)
+    kernels = sorted({event.name.removeprefix("aten::") for event in profile.events()
+                      if event.name.startswith("aten::_scaled_dot_product")})
+    if len(kernels) != 1:
+        raise RuntimeError(f"expected one SDPA kernel, the profiler recorded {kernels or 'none'}")
+    return kernels[0]
 
 
 def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
