@@ -74,9 +74,10 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = None
     cp_comm_type: str = "p2p"
     expert_model_parallel_size: int = 1
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = False  # ZeRO-1 (optim), unless --data-parallel-sharding-strategy says more
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    ddp_bucket_size: int = 40_000_000  # elements per gradient bucket (one collective each)
     data_parallel_sharding_strategy: str = "no_shard"
     data_parallel_size: int = 1  # derived from the world size, never a flag
 
@@ -353,7 +354,7 @@ def _fill_defaults(config: Config, world_size: int) -> None:
     model_parallel = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
     p.data_parallel_size = max(world_size // model_parallel, 1) if model_parallel > 0 else 1
     if p.use_distributed_optimizer and p.data_parallel_sharding_strategy == "no_shard":
-        p.data_parallel_sharding_strategy = "optim_grads"
+        p.data_parallel_sharding_strategy = "optim"  # Megatron's: one reduce-scatter per step, sharded optimizer
     t.global_batch_size = _default_if_unset(t.global_batch_size, t.micro_batch_size * p.data_parallel_size)
     o.lr_decay_iters = _default_if_unset(o.lr_decay_iters, t.train_iters)
 

@@ -97,7 +97,8 @@ def build_model(config: Config, pstate: ParallelState, model_provider, device) -
         module = model_provider(config, pstate, plan, device)
         p = config.parallel
         chunks.append(DistributedDataParallel(
-            module, pstate, overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
+            module, pstate, bucket_size=p.ddp_bucket_size, overlap_grad_reduce=p.overlap_grad_reduce,
+            overlap_param_gather=p.overlap_param_gather,
             data_parallel_sharding_strategy=p.data_parallel_sharding_strategy, param_dtype=params_dtype(config)))
     return chunks
 

@@ -39,6 +39,7 @@ _INT_MINIMUMS = {
     "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1, "num_layers_per_virtual_pipeline_stage": 1,
     "decoder_first_pipeline_num_layers": 0, "decoder_last_pipeline_num_layers": 0,
     "lr_warmup_iters": 0, "lr_decay_iters": 1, "loss_scale_window": 1, "hysteresis": 1, "num_workers": 0,
+    "ddp_bucket_size": 1,
     "micro_batch_size": 1, "global_batch_size": 1, "train_iters": 1, "eval_interval": 1, "eval_iters": 0,
     "seed": 0, "exit_interval": 1, "save_interval": 1, "keep_last_n": 1, "ckpt_step": 0, "log_interval": 1,
     "tensorboard_log_interval": 1,

@@ -39,7 +39,7 @@ LAYOUTS = {  # name: flags on top of MOE, on 4 ranks
     "ep2_pp2": {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
     "ep2_allgather": {"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
     "ep4_cp2": {"expert_model_parallel_size": 4, "context_parallel_size": 2},
-    "ep2_zero2_recompute": {"expert_model_parallel_size": 2, "use_distributed_optimizer": True,
+    "ep2_zero2_recompute": {"expert_model_parallel_size": 2, "data_parallel_sharding_strategy": "optim_grads",
                             "recompute_granularity": "full"},
 }
 SHARDED_GRADS = {"ep2_zero2_recompute"}  # gradients live as data-parallel shards: losses only

@@ -263,10 +263,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     def start_param_sync(self) -> None:
         """ZeRO-1/2, after the optimizer updated this rank's shards: all-gather every bucket's parameters
-        (left in flight with --overlap-param-gather; forward pre-hooks wait for them)."""
+        (left in flight with --overlap-param-gather; forward pre-hooks wait for them). Buckets are laid out
+        in backward order, so they are gathered in reverse: the first layers' parameters arrive first."""
         if self.strategy not in ("optim", "optim_grads"):
             return
-        for bucket in self.buckets:
+        for bucket in reversed(self.buckets):
             bucket.start_param_gather()
         if not self.overlap_param_gather:
             self.finish_param_sync()
