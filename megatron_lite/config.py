@@ -57,6 +57,7 @@ class ModelConfig:
     recompute_granularity: str | None = None
     recompute_num_layers: int | None = None
     attention_backend: str = "auto"
+    torch_compile: bool = False  # each transformer layer compiled with torch.compile (see _HELP)
 
     @property
     def head_dim(self) -> int:
@@ -192,6 +193,13 @@ _CHOICES = {
     "tokenizer_type": ["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
 }
 _DERIVED = {"data_parallel_size"}
+# Flags whose default needs explaining.
+_HELP = {
+    "torch_compile": "compile each transformer layer with torch.compile (inductor), eager elsewhere; losses equal "
+                     "eager's (tested on CPU, fp32). Off by default: on 2 CPU threads a training step measured "
+                     "1.02-1.04x eager (benchmarks/results/train_step.jsonl), not worth a compile of tens of "
+                     "seconds; on a GPU neither run nor measured yet",
+}
 
 
 def _field_owner() -> dict[str, str]:
@@ -227,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
             flag = "--" + f.name.replace("_", "-")
             kind = _value_type(f)
             help_text = f"default: {f.default if f.default is not dataclasses.MISSING else '[]'}"
+            if f.name in _HELP:
+                help_text = f"{_HELP[f.name]}; {help_text}"
             if kind is bool and f.default:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
             elif kind is bool:

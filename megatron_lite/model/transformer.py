@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -46,7 +44,13 @@ class HiddenDropout(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        with self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext():
+        if self.rng_tracker is None:
+            return F.dropout(x, self.p, training=True)
+        return self._dropout_on_tensor_parallel_stream(x)
+
+    @torch.compiler.disable  # swapping the generator's state cannot be traced: eager under --torch-compile
+    def _dropout_on_tensor_parallel_stream(self, x: torch.Tensor) -> torch.Tensor:
+        with self.rng_tracker.fork():
             return F.dropout(x, self.p, training=True)
 
 
@@ -64,16 +68,48 @@ class TransformerLayer(torch.nn.Module):
         self.pre_mlp_layernorm = Norm(config, sequence_parallel)
         self.mlp = mlp if mlp is not None else MLP(config, pstate, sequence_parallel=sequence_parallel)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
+        self.compiled_residual_blocks = None  # set by use_torch_compile
 
     def forward(self, x: torch.Tensor, rotary, inference_params=None) -> torch.Tensor:
-        kv_cache = inference_params.layer_cache(self.layer_number) if inference_params is not None else None
+        if inference_params is not None:  # generation: the KV cache is Python state, so always eager
+            return self.residual_blocks(x, rotary, inference_params.layer_cache(self.layer_number))
+        return (self.compiled_residual_blocks or self.residual_blocks)(x, rotary)
+
+    def residual_blocks(self, x: torch.Tensor, rotary, kv_cache=None) -> torch.Tensor:
         x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary, kv_cache))
-        return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        return x + self.dropout(self._mlp(self.pre_mlp_layernorm(x)))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense MLP, or an MoE layer called outside any torch.compile graph: its token dispatch sizes
+        tensors by routing counts read on the host (.tolist()) and it keeps statistics in Python."""
+        return self.mlp(x) if isinstance(self.mlp, MLP) else _run_eagerly(self.mlp, x)
+
+    def use_torch_compile(self) -> None:
+        """Run residual_blocks as a torch.compile graph from now on (--torch-compile).
+
+        Every layer compiles the same code with the same guards, so dynamo compiles the dense layer once and
+        every other dense layer reuses that graph (MoE layers share a second set). What cannot be traced
+        runs eagerly at a graph break, computing what eager mode computes: the MoE part (`_mlp`), dropout on
+        the tensor-parallel random stream (the core attention when it has dropout; hidden dropout under
+        sequence parallelism), whose generator swap dynamo does not trace, and the recomputed core attention
+        of --recompute-granularity selective, whose random-state replay is Python state. Full recomputation
+        checkpoints the compiled layer from outside. Random ops draw from torch's generators as in eager mode
+        (inductor's fallback_random), so dropout masks, the RNG tracker's streams and their replay under
+        recomputation are eager's; otherwise inductor would draw masks of its own.
+        """
+        self.compiled_residual_blocks = torch.compile(self.residual_blocks, options={"fallback_random": True})
+
+
+@torch.compiler.disable
+def _run_eagerly(module: torch.nn.Module, *args):
+    """`module(*args)`; under torch.compile dynamo breaks the graph here and runs the call eagerly."""
+    return module(*args)
 
 
 class TransformerBlock(torch.nn.Module):
     """Layers [layer_offset, layer_offset + num_layers) of the decoder, plus the final norm on the last
-    pipeline stage. Holds the activation-recomputation policy."""
+    pipeline stage. Holds the activation-recomputation policy and compiles each layer with --torch-compile
+    (as torchtitan does: per layer, so that compile time does not grow with depth; the rest stays eager)."""
 
     def __init__(self, layers: list[TransformerLayer], config: ModelConfig, *, final_norm: bool,
                  sequence_parallel: bool, rng_tracker: RNGTracker | None):
@@ -87,6 +123,9 @@ class TransformerBlock(torch.nn.Module):
         if config.recompute_granularity == "selective":
             for layer in layers:
                 layer.self_attention.recompute_core_attention = True
+        if config.torch_compile:
+            for layer in layers:
+                layer.use_torch_compile()
 
     def forward(self, x: torch.Tensor, rotary, inference_params=None) -> torch.Tensor:
         for index, layer in enumerate(self.layers):
