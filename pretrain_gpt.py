@@ -49,14 +49,16 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """Read one micro-batch (the same on every rank of the cp group), keep this cp rank's share of the
-    sequence, and run it through this model chunk."""
+    sequence, and run it through this model chunk. The document ids of --reset-attention-mask stay on the
+    host: attention plans its blocks from them there."""
     from megatron_lite.model.context_parallel import get_batch_on_this_cp_rank
 
     pstate = getattr(model, "module", model).pstate
     batch = get_batch_on_this_cp_rank(next(data_iterator), pstate)
     device = next(model.parameters()).device
     tokens, labels = batch["tokens"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
-    output = model(tokens, batch["position_ids"].to(device, non_blocking=True), labels=labels)
+    output = model(tokens, batch["position_ids"].to(device, non_blocking=True), labels=labels,
+                   document_ids=batch.get("document_ids"))
     return output, partial(loss_func, batch["loss_mask"].to(device, non_blocking=True))
 
 

@@ -9,15 +9,24 @@ The kernel is torch's scaled_dot_product_attention (SDPA) unless flash-attn is a
 bf16/fp16, SDPA may use only its fused kernels (cuDNN, flash, memory-efficient): its math fallback
 materialises the [b, h, s, s] scores, so a case no fused kernel takes raises instead of silently running
 slower and in far more memory. `sdpa_kernel_name` says which kernel actually runs for given shapes.
+
+Documents in a packed sequence (--reset-attention-mask): a token attends only to earlier tokens of its own
+document. On CUDA that runs through FlexAttention, compiled, with a block mask built from the document ids
+(as torchtitan does), so fully masked tiles are skipped and no [s, s] mask exists; elsewhere through SDPA
+with a boolean [b, 1, s, s] mask (the CPU is a test path: it materialises the mask). Context parallelism
+applies documents block by block (model/context_parallel.py).
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.context_parallel import context_parallel_attention
@@ -31,6 +40,56 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_func = None
 
 
+class Documents:
+    """The documents packed into a micro-batch's sequences (--reset-attention-mask), and the masks made from them.
+
+    `ids` [b, s] holds each token's document index, nondecreasing along the sequence; an end-of-document token
+    belongs to the document it ends. With context parallelism it still covers the whole sequence, since a
+    rank's ring blocks need the documents of other ranks' keys. The ids stay on the host, where context
+    parallelism plans its blocks; each mask is made on `device` once per micro-batch and shared by the layers.
+    """
+
+    def __init__(self, ids: torch.Tensor, device: torch.device):
+        self.ids = ids.cpu()
+        self.device = device
+
+    @functools.cached_property
+    def attention_mask(self) -> torch.Tensor:
+        """[b, 1, s, s] bool, True where query t may attend to key u: the same document and u <= t."""
+        ids = self.ids.to(self.device)
+        return (ids.unsqueeze(2) == ids.unsqueeze(1)).tril().unsqueeze(1)
+
+    @functools.cached_property
+    def block_mask(self) -> BlockMask:
+        """The same mask as FlexAttention's BlockMask: which 128 x 128 tiles are empty, full or partial. On CUDA
+        create_block_mask is compiled (as in torchtitan), so that the [b, s, s] booleans it reduces to tiles are
+        not materialised."""
+        ids = self.ids.to(self.device)
+
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+        make = _compiled(create_block_mask) if self.device.type == "cuda" else create_block_mask
+        return make(same_document_causal, ids.shape[0], None, ids.shape[1], ids.shape[1], device=self.device)
+
+
+class Positions(NamedTuple):
+    """Where a micro-batch's tokens are, as attention needs it: the RoPE angles cos, sin [s, 1 or b, 1, d] (None
+    with learned absolute positions) and the packed documents (None: each sample is one causal stream). The
+    transformer layers hand it to attention unchanged."""
+
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    documents: Documents | None = None
+
+
+@functools.cache
+def _compiled(function):
+    """torch.compile(function), compiled once per process. FlexAttention is a fused kernel only when compiled;
+    run eagerly it computes the whole score matrix."""
+    return torch.compile(function)
+
+
 class RotaryEmbedding(torch.nn.Module):
     """RoPE (Su et al. 2021) in the "rotate half" layout used by Llama and Hugging Face."""
 
@@ -39,11 +98,13 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[s] positions -> cos, sin of shape [s, 1, 1, head_dim] (broadcast over batch and heads)."""
-        freqs = torch.outer(position_ids.float(), self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
-        return emb.cos(), emb.sin()
+    def forward(self, position_ids: torch.Tensor) -> Positions:
+        """[s] positions shared by the batch, or [b, s] per sample (--reset-position-ids) -> cos, sin of shape
+        [s, 1, 1, head_dim] or [s, b, 1, head_dim] (broadcast over heads, and over the batch when shared)."""
+        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq  # [s, d/2] or [b, s, d/2]
+        freqs = freqs.unsqueeze(1) if position_ids.dim() == 1 else freqs.transpose(0, 1)  # [s, 1 or b, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [s, 1 or b, 1, d]
+        return Positions(emb.cos(), emb.sin())
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,8 +139,29 @@ def fused_sdpa_only(q: torch.Tensor):
     return nullcontext()
 
 
+def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
+    """q [b, nh, s, d], k/v [b, ng, s, d] -> [b, nh, s, d] through FlexAttention with the documents' block mask:
+    compiled on CUDA; elsewhere eager, forward only (FlexAttention has no CPU backward), which tests use."""
+    attend = _compiled(flex_attention) if q.device.type == "cuda" else flex_attention
+    return attend(q, k, v, block_mask=documents.block_mask, enable_gqa=True)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+                       dropout: float) -> torch.Tensor:
+    """q [b, nh, s, d], k/v [b, ng, s, d] -> [b, nh, s, d], each token attending to the tokens of its own document
+    up to itself: FlexAttention on CUDA (no dropout there), SDPA with the boolean mask elsewhere."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.attention_mask, dropout_p=dropout,
+                                              enable_gqa=True)
+    if dropout > 0:
+        raise ValueError("FlexAttention has no attention dropout: pass --attention-dropout 0 with "
+                         "--reset-attention-mask")
+    return flex_document_attention(q, k, v, documents)
+
+
 class CoreAttention(torch.nn.Module):
-    """softmax(Q K^T / sqrt(d)) V over this rank's heads, causal, with key/value heads shared per group.
+    """softmax(Q K^T / sqrt(d)) V over this rank's heads, causal, with key/value heads shared per group; with
+    `documents`, causal within each document only.
 
     With a context-parallel group the local sequence is this rank's two load-balanced chunks and attention
     spans the whole group's sequence (model/context_parallel.py; `cp_comm_type` is --cp-comm-type).
@@ -95,13 +177,15 @@ class CoreAttention(torch.nn.Module):
         self.cp_group = cp_group
         self.cp_comm_type = "p2p"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         """q [s, b, nh, d], k/v [s, b, ng, d] -> [s, b, nh * d]."""
         if self.cp_group is not None:
-            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self.backend)
+            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self.backend,
+                                              documents.ids if documents is not None else None)
         s, b = q.shape[:2]
         dropout = self.dropout if self.training else 0.0
-        if self.backend == "flash":
+        if self.backend == "flash" and documents is None:  # documents: validation refuses flash-attn (no varlen)
             out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                   dropout_p=dropout, causal=True)  # [b, s, nh, d]
             return out.transpose(0, 1).reshape(s, b, -1)
@@ -109,7 +193,10 @@ class CoreAttention(torch.nn.Module):
         # heads are split over TP: dropout masks must differ per TP rank
         rng = self.rng_tracker.fork() if dropout > 0 and self.rng_tracker is not None else nullcontext()
         with rng, fused_sdpa_only(q):
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True)
+            if documents is None:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True)
+            else:
+                out = document_attention(q, k, v, documents, dropout)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [b, nh, s, d] -> [s, b, nh*d]
 
 
@@ -164,23 +251,24 @@ class SelfAttention(torch.nn.Module):
                                              pstate, bias=bias, sequence_parallel=sequence_parallel)
         self.recompute_core_attention = False
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                kv_cache=None) -> torch.Tensor:
-        """`kv_cache` (generation only, see generation.py) holds this layer's keys and values of the tokens
-        before x; x's are appended and x's tokens attend to all of them."""
+    def forward(self, x: torch.Tensor, positions: Positions | None, kv_cache=None) -> torch.Tensor:
+        """`positions` None: no RoPE and plain causal attention. `kv_cache` (generation only, see generation.py)
+        holds this layer's keys and values of the tokens before x; x's are appended and x's tokens attend to all
+        of them."""
+        positions = positions if positions is not None else Positions()
         qkv = self.linear_qkv(x)  # [s, b, ng/tp * (nh/ng + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
         q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
         q = q.reshape(s, b, self.local_groups * self.heads_per_group, self.head_dim)  # [s, b, nh/tp, d]
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, d]
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if positions.cos is not None:
+            q, k = apply_rotary(q, positions.cos, positions.sin), apply_rotary(k, positions.cos, positions.sin)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # [s_cached + s, b, ng/tp, d]
             out = cached_causal_attention(q, k, v)
         elif self.recompute_core_attention and self.training:
-            out = checkpoint(self.core_attention, self.core_attention.rng_tracker, q, k, v)
+            out = checkpoint(self.core_attention, self.core_attention.rng_tracker, q, k, v, positions.documents)
         else:
-            out = self.core_attention(q, k, v)
+            out = self.core_attention(q, k, v, positions.documents)
         return self.linear_proj(out)

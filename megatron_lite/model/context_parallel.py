@@ -23,6 +23,13 @@ gathered on every rank (small with GQA); each local query chunk attends to the p
 gradients to the owners. Simpler than the ring and as fast at small cp, but each rank briefly holds the
 sequence's K/V.
 
+Documents (--reset-attention-mask). A token attends only to earlier tokens of its own document. Document ids
+are nondecreasing along the sequence and a block's query and key rows are in sequence order, so within a block
+each document that both hold is one rectangle of query rows by key rows (a causal square on a diagonal block)
+and nothing else is visible: a block is a list of such spans, each run through the same block kernel, with no
+mask. A block that no document spans is skipped; its K/V still travel on. Every device's kernel serves as it is;
+the price is one kernel call per (sample, document) that a block holds, planned on the host from the ids.
+
 Block kernels are fused attention kernels that return the LSE and take it back in backward: flash-attn's
 with --attention-backend flash, else torch's own SDPA ops: on CPU its flash-attention kernel, on CUDA its
 flash-attention op (bf16/fp16) or memory-efficient op (fp32). None of them creates a [b, h, sq, sk] score
@@ -32,6 +39,8 @@ Attention dropout is not supported here (config validation says so).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,13 +72,15 @@ def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], pstate: ParallelSt
     """This cp rank's share of a micro-batch every rank of the cp group has read.
 
     Every tensor has the sequence as its last dimension (tokens, labels, loss_mask [b, s]; position_ids
-    [s]): [..., s] -> [..., s/cp]. position_ids become the rank's true positions, not a plain arange.
+    [s] or [b, s]): [..., s] -> [..., s/cp]. position_ids become the rank's true positions, not a plain arange.
+    document_ids [b, s] stay whole: a rank's attention needs the documents of every rank's keys.
     """
     if pstate.cp_size == 1:
         return batch
     seq_length = batch["tokens"].shape[-1]
     index = load_balanced_indices(seq_length, pstate.cp_size, pstate.cp_rank)
-    return {key: value.index_select(-1, index.to(value.device)) for key, value in batch.items()}
+    return {key: value if key == "document_ids" else value.index_select(-1, index.to(value.device))
+            for key, value in batch.items()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -180,11 +191,79 @@ def choose_block_kernel(backend: str, device: torch.device, dtype: torch.dtype):
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Online softmax: fold a block's output and LSE into the running fp32 ones, in place (views allowed)."""
+    """Online softmax: fold a block's output and LSE into the running fp32 ones, in place (views allowed).
+    Running rows that start as out 0, lse -inf take the block's values exactly."""
     new_lse = torch.logaddexp(lse, block_lse)
     rows = lambda x: x.transpose(1, 2).unsqueeze(-1)  # noqa: E731 - [b, nh, sq] -> [b, sq, nh, 1]
     out.mul_(rows(lse - new_lse).exp()).add_(block_out.float() * rows(block_lse - new_lse).exp())
     lse.copy_(new_lse)
+
+
+def _empty_output(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running fp32 output [b, sq, nh, d] and LSE [b, nh, sq] before any block: 0 and -inf."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
+# Blocks and their document spans
+
+Span = tuple[slice, slice, slice]  # (samples, query rows, key rows) within a block
+_WHOLE_BLOCK: list[Span] = [(slice(None), slice(None), slice(None))]
+
+
+class _Block(NamedTuple):
+    """Local query rows against rows of the K/V at hand, causal or not, computed span by span."""
+
+    rows: slice
+    kv_rows: slice
+    causal: bool
+    spans: list[Span]
+
+
+def _document_rows(ids: torch.Tensor) -> dict[int, slice]:
+    """{document: its rows} for one sample's nondecreasing document ids [n]."""
+    documents, counts = torch.unique_consecutive(ids, return_counts=True)
+    ends = counts.cumsum(0).tolist()
+    return {doc: slice(end - count, end) for doc, count, end in zip(documents.tolist(), counts.tolist(), ends)}
+
+
+def document_spans(q_ids: torch.Tensor, k_ids: torch.Tensor) -> list[Span]:
+    """The spans of a block whose queries and keys belong to documents q_ids [b, sq] and k_ids [b, sk] (each
+    nondecreasing): for each sample, each document both hold, with its query rows and key rows. Empty when no
+    query may see any key of the block."""
+    spans = []
+    for sample, (q, k) in enumerate(zip(q_ids, k_ids)):
+        key_rows = _document_rows(k)
+        spans += [(slice(sample, sample + 1), rows, key_rows[doc])
+                  for doc, rows in _document_rows(q).items() if doc in key_rows]
+    return spans
+
+
+def _spans(document_ids: torch.Tensor | None, q_positions, kv_positions) -> list[Span]:
+    """The block's spans given the sequence positions of its query and key rows: the whole block without
+    documents."""
+    if document_ids is None:
+        return _WHOLE_BLOCK
+    return document_spans(document_ids[:, q_positions], document_ids[:, kv_positions])
+
+
+def _block_forward(kernel, q, k, v, out, lse, causal: bool, scale: float, spans: list[Span]) -> None:
+    """Fold the attention of the block's queries q over k/v into its rows of the running out and lse."""
+    for samples, rows, cols in spans:
+        _merge(out[samples, rows], lse[samples, :, rows],
+               *kernel.forward(q[samples, rows], k[samples, cols], v[samples, cols], causal, scale))
+
+
+def _block_backward(kernel, dout, q, k, v, out, lse, grads, causal: bool, scale: float, spans: list[Span]) -> None:
+    """Add the block's gradients into `grads` = (dq, dk, dv), fp32 views of the block's query and K/V rows;
+    out and lse are those of the whole attention (merged over all blocks)."""
+    for samples, rows, cols in spans:
+        block_grads = kernel.backward(dout[samples, rows], q[samples, rows], k[samples, cols], v[samples, cols],
+                                      out[samples, rows], lse[samples, :, rows], causal, scale)
+        for total, grad, index in zip(grads, block_grads, (rows, cols, cols)):
+            total[samples, index] += grad
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -219,61 +298,67 @@ def _wait(works) -> None:
         work.wait()
 
 
+def _ring_blocks(rank: int, cp: int, local_length: int, document_ids: torch.Tensor | None) -> list[_Block]:
+    """Rank `rank`'s block at each ring step, by the three cases of the module docstring; `document_ids` [b, s]
+    of the whole sequence, or None."""
+    half, whole = local_length // 2, slice(None)
+    seq_length = local_length * cp
+    local = load_balanced_indices(seq_length, cp, rank)
+    blocks = []
+    for step in range(cp):
+        source = (rank - step) % cp
+        if step == 0:
+            rows, kv_rows, causal = whole, whole, True
+        elif source < rank:
+            rows, kv_rows, causal = whole, slice(0, half), False
+        else:
+            rows, kv_rows, causal = slice(half, None), whole, False
+        kv_positions = load_balanced_indices(seq_length, cp, source)[kv_rows]
+        blocks.append(_Block(rows, kv_rows, causal, _spans(document_ids, local[rows], kv_positions)))
+    return blocks
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of the local query chunks over the whole sequence, K/V passed around the cp ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kernel):
+    def forward(ctx, q, k, v, group, kernel, document_ids=None):
         """q [b, s/cp, nh, d], k/v [b, s/cp, ng, d] (chunks i and 2cp-1-i) -> [b, s/cp, nh, d]."""
         ring = _Ring(group)
-        scale, half = q.shape[-1] ** -0.5, q.shape[1] // 2
+        scale = q.shape[-1] ** -0.5
+        blocks = _ring_blocks(ring.rank, ring.size, q.shape[1], document_ids)
         kv = torch.stack((k, v))  # [2, b, s/cp, ng, d]: one message a hop
-        out = lse = None
-        for step in range(ring.size):
+        out, lse = _empty_output(q)
+        for step, block in enumerate(blocks):
             if step + 1 < ring.size:
                 next_kv, works = ring.shift(kv, _KV_TAG)  # overlapped with this block's compute
-            source = (ring.rank - step) % ring.size
-            if step == 0:
-                out, lse = kernel.forward(q, k, v, True, scale)
-                out = out.float()
-            elif source < ring.rank:
-                _merge(out, lse, *kernel.forward(q, kv[0, :, :half], kv[1, :, :half], False, scale))
-            else:
-                _merge(out[:, half:], lse[..., half:], *kernel.forward(q[:, half:], kv[0], kv[1], False, scale))
+            rows, kv_rows = block.rows, block.kv_rows
+            _block_forward(kernel, q[:, rows], kv[0, :, kv_rows], kv[1, :, kv_rows], out[:, rows], lse[..., rows],
+                           block.causal, scale, block.spans)
             if step + 1 < ring.size:
                 _wait(works)
                 kv = next_kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.kernel = group, kernel
+        ctx.group, ctx.kernel, ctx.blocks = group, kernel, blocks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, kernel = _Ring(ctx.group), ctx.kernel
-        scale, half = q.shape[-1] ** -0.5, q.shape[1] // 2
+        scale = q.shape[-1] ** -0.5
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v))
         earlier, dkv_works = None, []  # the dK/dV received from the previous rank, and its transfer
-        for step in range(ring.size):
+        for step, block in enumerate(ctx.blocks):
             if step + 1 < ring.size:
                 next_kv, kv_works = ring.shift(kv, _KV_TAG)
-            source = (ring.rank - step) % ring.size
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this rank's share for the block
-            if step == 0:
-                grads = kernel.backward(dout, q, k, v, out, lse, True, scale)
-                dq_rows, dkv_rows = dq, dkv
-            elif source < ring.rank:
-                grads = kernel.backward(dout, q, kv[0, :, :half], kv[1, :, :half], out, lse, False, scale)
-                dq_rows, dkv_rows = dq, dkv[:, :, :half]
-            else:
-                grads = kernel.backward(dout[:, half:], q[:, half:], kv[0], kv[1], out[:, half:], lse[..., half:],
-                                        False, scale)
-                dq_rows, dkv_rows = dq[:, half:], dkv
-            dq_rows += grads[0]
-            dkv_rows[0] += grads[1]
-            dkv_rows[1] += grads[2]
+            rows, kv_rows = block.rows, block.kv_rows
+            _block_backward(kernel, dout[:, rows], q[:, rows], kv[0, :, kv_rows], kv[1, :, kv_rows], out[:, rows],
+                            lse[..., rows], (dq[:, rows], dkv[0, :, kv_rows], dkv[1, :, kv_rows]), block.causal,
+                            scale, block.spans)
             if earlier is not None:  # the block's gradient so far, from the ranks that held it before
                 _wait(dkv_works)
                 dkv += earlier
@@ -283,7 +368,7 @@ class RingAttention(torch.autograd.Function):
                 kv = next_kv
         _wait(dkv_works)  # after cp hops, this rank's own block's gradient is home
         dk, dv = earlier.to(k.dtype).unbind(0)
-        return dq.to(q.dtype), dk, dv, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -308,63 +393,63 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp: int) -> torch.Tensor
     return _chunks_to_sequence_order(mappings.all_gather_dim0(local, group), cp).permute(1, 2, 0, 3, 4)
 
 
+def _allgather_blocks(rank: int, cp: int, local_length: int, document_ids: torch.Tensor | None) -> list[_Block]:
+    """For each local query chunk, its block against its own chunk (causal), then against the earlier chunks,
+    with K/V rows in sequence order; `document_ids` [b, s] of the whole sequence, or None."""
+    chunk, blocks = local_length // 2, []
+    for half, c in enumerate((rank, 2 * cp - 1 - rank)):
+        rows, own = slice(half * chunk, (half + 1) * chunk), slice(c * chunk, (c + 1) * chunk)
+        blocks.append(_Block(rows, own, True, _spans(document_ids, own, own)))
+        if c > 0:
+            earlier = slice(0, c * chunk)
+            blocks.append(_Block(rows, earlier, False, _spans(document_ids, own, earlier)))
+    return blocks
+
+
 class AllGatherAttention(torch.autograd.Function):
     """Causal attention of the local query chunks against the gathered K/V of the whole sequence."""
 
     @staticmethod
-    def _blocks(q_chunk_ids, chunk: int):
-        """(query rows, kv rows, causal) for each local query chunk: its own chunk, then its prefix."""
-        for half, c in enumerate(q_chunk_ids):
-            rows = slice(half * chunk, (half + 1) * chunk)
-            yield rows, slice(c * chunk, (c + 1) * chunk), True
-            if c > 0:
-                yield rows, slice(0, c * chunk), False
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, kernel):
+    def forward(ctx, q, k, v, group, kernel, document_ids=None):
         """q [b, s/cp, nh, d], k/v [b, s/cp, ng, d] (chunks i and 2cp-1-i) -> [b, s/cp, nh, d]."""
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        scale, chunk = q.shape[-1] ** -0.5, q.shape[1] // 2
+        scale = q.shape[-1] ** -0.5
+        blocks = _allgather_blocks(rank, cp, q.shape[1], document_ids)
         kv = _gather_kv(k, v, group, cp)
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-        for rows, kv_rows, causal in AllGatherAttention._blocks((rank, 2 * cp - 1 - rank), chunk):
-            block_out, block_lse = kernel.forward(q[:, rows], kv[0, :, kv_rows], kv[1, :, kv_rows], causal, scale)
-            if causal:  # a chunk's own block comes first and covers every row
-                out[:, rows], lse[..., rows] = block_out, block_lse
-            else:
-                _merge(out[:, rows], lse[..., rows], block_out, block_lse)
+        out, lse = _empty_output(q)
+        for rows, kv_rows, causal, spans in blocks:
+            _block_forward(kernel, q[:, rows], kv[0, :, kv_rows], kv[1, :, kv_rows], out[:, rows], lse[..., rows],
+                           causal, scale, spans)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.kernel = group, kernel
+        ctx.group, ctx.kernel, ctx.blocks = group, kernel, blocks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, kernel = ctx.group, ctx.kernel
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        scale, chunk = q.shape[-1] ** -0.5, q.shape[1] // 2
+        cp = dist.get_world_size(group)
+        scale = q.shape[-1] ** -0.5
         kv = _gather_kv(k, v, group, cp)  # gathered again rather than kept: memory stays ~ s/cp
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # [2, b, s, ng, d]
-        for rows, kv_rows, causal in AllGatherAttention._blocks((rank, 2 * cp - 1 - rank), chunk):
-            dq_b, dk_b, dv_b = kernel.backward(dout[:, rows], q[:, rows], kv[0, :, kv_rows], kv[1, :, kv_rows],
-                                               out[:, rows], lse[..., rows], causal, scale)
-            dq[:, rows] += dq_b
-            dkv[0, :, kv_rows] += dk_b
-            dkv[1, :, kv_rows] += dv_b
+        for rows, kv_rows, causal, spans in ctx.blocks:
+            _block_backward(kernel, dout[:, rows], q[:, rows], kv[0, :, kv_rows], kv[1, :, kv_rows], out[:, rows],
+                            lse[..., rows], (dq[:, rows], dkv[0, :, kv_rows], dkv[1, :, kv_rows]), causal, scale,
+                            spans)
         by_rank = _chunks_to_rank_order(dkv.permute(2, 0, 1, 3, 4), cp)  # [s, 2, b, ng, d], rank order
         dk, dv = mappings.reduce_scatter_dim0(by_rank, group).permute(1, 2, 0, 3, 4).to(k.dtype).unbind(0)
-        return dq.to(q.dtype), dk, dv, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
-                               backend: str) -> torch.Tensor:
+                               backend: str, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """q [s/cp, b, nh, d], k/v [s/cp, b, ng, d] of this rank's chunks -> [s/cp, b, nh * d], causal over the
-    whole sequence of the cp group."""
+    whole sequence of the cp group; within documents only when `document_ids` [b, s] (host, whole sequence)
+    are given."""
     s, b = q.shape[:2]
     kernel = choose_block_kernel(backend, q.device, q.dtype)
     attention = RingAttention if comm_type == "p2p" else AllGatherAttention
-    out = attention.apply(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), group, kernel)
+    out = attention.apply(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), group, kernel, document_ids)
     return out.transpose(0, 1).reshape(s, b, -1)  # [b, s/cp, nh, d] -> [s/cp, b, nh*d]

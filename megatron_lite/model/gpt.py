@@ -15,7 +15,7 @@ import re
 import torch
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.attention import RotaryEmbedding, choose_attention_backend
+from megatron_lite.model.attention import Documents, Positions, RotaryEmbedding, choose_attention_backend
 from megatron_lite.model.sharding import ShardSpec, initialize_parameters, new_parameter
 from megatron_lite.model.tensor_parallel import (
     ColumnParallelLinear,
@@ -48,11 +48,13 @@ class Embedding(torch.nn.Module):
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [b, s]; position_ids [s], or [b, s] per sample (--reset-position-ids)."""
         x = self.word_embeddings(input_ids)  # [s, b, h], or [s/tp, b, h] with sequence parallelism
         if self.position_embeddings is not None:
             if self.sequence_parallel:
-                position_ids = position_ids.chunk(self.pstate.tp_size)[self.pstate.tp_rank]
-            x = x + self.position_embeddings[position_ids].unsqueeze(1)
+                position_ids = position_ids.chunk(self.pstate.tp_size, dim=-1)[self.pstate.tp_rank]
+            positions = self.position_embeddings[position_ids]  # [s, h] or [b, s, h]
+            x = x + (positions.unsqueeze(1) if position_ids.dim() == 1 else positions.transpose(0, 1))
         return self.dropout(x)
 
 
@@ -128,17 +130,22 @@ class GPTModel(torch.nn.Module):
 
     # ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor,
-                labels: torch.Tensor | None = None, inference_params=None) -> torch.Tensor:
-        """input_ids, labels [b, s]; position_ids [s]: the positions of this rank's tokens (with context
+                labels: torch.Tensor | None = None, inference_params=None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, labels [b, s]; position_ids [s] or [b, s]: the positions of this rank's tokens (with context
         parallelism s is the local s/cp, two load-balanced chunks; see get_batch_on_this_cp_rank).
+        document_ids [b, s] (--reset-attention-mask; on the host, over the whole sequence even with context
+        parallelism): each token's document, within which alone it attends (attention.Documents).
 
         Returns the per-token loss [b, s] on the last stage when labels are given, this rank's vocab
         slice of the logits [b, s, v/tp] when not, and the hidden states [s(/tp), b, h] elsewhere.
         `inference_params` (generation.InferenceParams) is the KV cache of the tokens before input_ids.
         """
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
-        rotary = self.rotary(position_ids) if self.rotary is not None else None
-        x = self.decoder(x, rotary, inference_params)
+        positions = self.rotary(position_ids) if self.rotary is not None else Positions()
+        if document_ids is not None:
+            positions = positions._replace(documents=Documents(document_ids, position_ids.device))
+        x = self.decoder(x, positions, inference_params)
         if not self.post_process:
             return x
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
