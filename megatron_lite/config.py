@@ -114,6 +114,10 @@ class DataConfig:
     tokenizer_model: str | None = None
     num_workers: int | None = None  # data loader processes per rank; default 2 on a GPU, 0 on the CPU
     data_cache_path: str | None = None
+    # Documents packed into a sequence, split at the tokenizer's end-of-document (EOD) token (see _HELP)
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
 
 
 @dataclass
@@ -195,6 +199,12 @@ _CHOICES = {
 _DERIVED = {"data_parallel_size"}
 # Flags whose default needs explaining.
 _HELP = {
+    # Documents in a packed sequence (training._collate); mock data's EOD id is vocab-size - 1
+    "reset_position_ids": "position ids restart at 0 after each end-of-document (EOD) token",
+    "reset_attention_mask": "a token attends only to the tokens of its own document (the EOD token ends its "
+                            "document): SDPA with a mask on the CPU, FlexAttention on CUDA, document spans of the "
+                            "blocks under context parallelism; needs --attention-dropout 0",
+    "eod_mask_loss": "no loss at positions whose input token is an EOD (the prediction across documents)",
     "torch_compile": "compile each transformer layer with torch.compile (inductor), eager elsewhere; losses equal "
                      "eager's (tested on CPU, fp32). Off by default: on 2 CPU threads a training step measured "
                      "1.02-1.04x eager (benchmarks/results/train_step.jsonl), not worth a compile of tens of "

@@ -7,6 +7,7 @@ batch, finalizes gradients (data-parallel reduction, loss normalisation), and st
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -146,12 +147,51 @@ def build_datasets(config: Config):
                                            cache_dir=d.data_cache_path, vocab_size=m.vocab_size)
 
 
-def _collate(samples) -> dict[str, torch.Tensor]:
-    """Samples of seq_length + 1 tokens -> inputs, next-token labels, loss mask, positions."""
+def _collate(samples, eod: int | None = None, reset_position_ids: bool = False, reset_attention_mask: bool = False,
+             eod_mask_loss: bool = False) -> dict[str, torch.Tensor]:
+    """Samples of seq_length + 1 tokens -> inputs, next-token labels, loss mask, positions [s].
+
+    Megatron's document flags, with `eod` the end-of-document id (an EOD token belongs to the document it
+    ends; the token after it starts the next one): reset_position_ids makes positions [b, s] restart at 0 in
+    each document, reset_attention_mask adds document_ids [b, s] for attention within documents, and
+    eod_mask_loss zeroes the loss mask where the input token is an EOD.
+    """
     tokens = torch.as_tensor(torch.utils.data.default_collate(list(samples)), dtype=torch.long)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    return {"tokens": inputs, "labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.float32),
-            "position_ids": torch.arange(inputs.shape[1])}
+    is_eod = inputs == eod if eod is not None else torch.zeros_like(inputs, dtype=torch.bool)  # [b, s]
+    batch = {"tokens": inputs, "labels": labels,
+             "loss_mask": (~is_eod if eod_mask_loss else torch.ones_like(is_eod)).float(),
+             "position_ids": _document_positions(is_eod) if reset_position_ids else torch.arange(inputs.shape[1])}
+    if reset_attention_mask:
+        batch["document_ids"] = _document_ids(is_eod)
+    return batch
+
+
+def _document_ids(is_eod: torch.Tensor) -> torch.Tensor:
+    """[b, s] EOD flags -> [b, s] each token's document: the number of EOD tokens before it."""
+    eods = is_eod.long()
+    return eods.cumsum(dim=1) - eods
+
+
+def _document_positions(is_eod: torch.Tensor) -> torch.Tensor:
+    """[b, s] EOD flags -> [b, s] each token's position in its document: its distance from the token after the
+    last EOD before it (or from the sequence start)."""
+    index = torch.arange(is_eod.shape[1]).expand_as(is_eod)
+    next_start = torch.where(is_eod, index + 1, 0)  # where the document after each EOD starts
+    start = torch.cat((torch.zeros_like(index[:, :1]), next_start[:, :-1]), dim=1).cummax(dim=1).values
+    return index - start
+
+
+def _collate_fn(dataset, config: Config):
+    """_collate with --reset-position-ids, --reset-attention-mask and --eod-mask-loss, and the end-of-document
+    id they look for: the tokenizer's, or mock data's (MockGPTDataset.eod)."""
+    d = config.data
+    if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
+        return _collate
+    eod = (dataset.eod if isinstance(dataset, MockGPTDataset)
+           else build_tokenizer(d.tokenizer_type, d.tokenizer_model, config.model.vocab_size).eod)
+    return functools.partial(_collate, eod=eod, reset_position_ids=d.reset_position_ids,
+                             reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
 
 
 def build_data_iterator(dataset, config: Config, pstate: ParallelState, consumed_samples: int):
@@ -166,8 +206,8 @@ def build_data_iterator(dataset, config: Config, pstate: ParallelState, consumed
                                  pstate.dp_rank, pstate.dp_size)
     on_gpu = resolve_device(config.training.device).type == "cuda"
     workers = config.data.num_workers if config.data.num_workers is not None else (2 if on_gpu else 0)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate, num_workers=workers,
-                                         pin_memory=on_gpu, persistent_workers=workers > 0)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate_fn(dataset, config),
+                                         num_workers=workers, pin_memory=on_gpu, persistent_workers=workers > 0)
     return iter(loader)
 
 

@@ -231,6 +231,23 @@ def _run_problems(config: Config) -> list[str]:
         problems.append(f"min-lr ({o.min_lr}) must not exceed lr ({o.lr})")
     problems += _checkpoint_problems(config)
     problems += _optimizer_problems(config)
+    problems += _document_problems(config)
+    return problems
+
+
+def _document_problems(config: Config) -> list[str]:
+    """What --reset-attention-mask cannot run with: flash-attn (its varlen kernel is not wired in) and attention
+    dropout (FlexAttention, the CUDA path, has none)."""
+    m, d = config.model, config.data
+    if not d.reset_attention_mask:
+        return []
+    problems = []
+    if m.attention_backend == "flash":
+        problems.append("--reset-attention-mask runs through SDPA/FlexAttention, not flash-attn: use "
+                        "--attention-backend auto or sdpa")
+    if m.attention_dropout > 0:
+        problems.append(f"attention-dropout ({m.attention_dropout}) must be 0 with --reset-attention-mask "
+                        f"(FlexAttention has no dropout); pass --attention-dropout 0")
     return problems
 
 

@@ -3,6 +3,11 @@
 Sample i is an arithmetic progression modulo the vocabulary with a start and stride drawn from a
 generator seeded by (seed, i): a model can learn it (the loss falls well below log(vocab)), and every
 rank and every run sees the same tokens for the same index.
+
+Documents: the end-of-document id of mock data is vocab_size - 1, as NullTokenizer's. A progression passes
+through it every vocab_size / gcd(stride, vocab_size) tokens, or never, so each occurrence ends a "document"
+and a small vocabulary gives samples that pack several: enough to exercise --reset-position-ids,
+--reset-attention-mask and --eod-mask-loss with --mock-data.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ class MockGPTDataset:
         self.seq_length = seq_length
         self.vocab_size = vocab_size
         self.seed = seed
+        self.eod = vocab_size - 1
 
     def __len__(self) -> int:
         return self.num_samples
