@@ -62,8 +62,8 @@ class Documents:
     @functools.cached_property
     def block_mask(self) -> BlockMask:
         """The same mask as FlexAttention's BlockMask: which 128 x 128 tiles are empty, full or partial. On CUDA
-        create_block_mask is compiled (as in torchtitan), so that the [b, s, s] booleans it reduces to tiles are
-        not materialised."""
+        create_block_mask runs compiled, as in torchtitan: run eagerly it builds the [b, 1, s, s] booleans before
+        reducing them to tiles."""
         ids = self.ids.to(self.device)
 
         def same_document_causal(b, h, q_idx, kv_idx):
