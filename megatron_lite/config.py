@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from megatron_lite.data.samplers import iterations_in_samples, rampup_global_batch_size
 from megatron_lite.presets import MODEL_PRESETS
 from megatron_lite.validation import ConfigError, validate
 
@@ -88,9 +89,19 @@ class OptimizerConfig:
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_fraction: float | None = None
+    lr_warmup_init: float = 0.0
     lr_decay_style: str = "cosine"
     lr_decay_iters: int | None = None  # default train_iters
+    lr_decay_samples: int | None = None  # default train_samples
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_samples: int | None = None
     weight_decay: float = 0.01
+    weight_decay_incr_style: str = "constant"
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
@@ -124,7 +135,9 @@ class DataConfig:
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # default micro_batch_size * data parallel size
-    train_iters: int = 100
+    rampup_batch_size: list[int] | None = None
+    train_iters: int | None = None  # default 100, or the whole global batches in --train-samples
+    train_samples: int | None = None
     eval_interval: int = 1000
     eval_iters: int = 10
     seed: int = 1234
@@ -161,6 +174,12 @@ class LoggingConfig:
     metrics_jsonl: str | None = None
     peak_tflops: float | None = None
     debug: bool = False  # print tracebacks with errors (also MEGATRON_LITE_DEBUG=1)
+    profile: bool = False
+    use_pytorch_profiler: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    profile_dir: str | None = None
 
 
 @dataclass
@@ -178,8 +197,21 @@ class Config:
 
     @property
     def num_microbatches(self) -> int:
+        """Micro-batches per data-parallel rank in a batch of --global-batch-size (after any ramp-up)."""
         p, t = self.parallel, self.training
         return t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that begins after `consumed_samples` (grows under --rampup-batch-size)."""
+        t = self.training
+        if t.rampup_batch_size is None:
+            return t.global_batch_size
+        return rampup_global_batch_size(consumed_samples, *t.rampup_batch_size, t.global_batch_size)
+
+    def num_microbatches_at(self, consumed_samples: int) -> int:
+        """Micro-batches per data-parallel rank in the step that begins after `consumed_samples`."""
+        return self.global_batch_size_at(consumed_samples) // (self.training.micro_batch_size *
+                                                               self.parallel.data_parallel_size)
 
 
 # Flags that are switches (store_true) and flags that take several values; the rest take one value
@@ -190,13 +222,17 @@ _CHOICES = {
     "moe_token_dispatcher_type": ["alltoall", "allgather"],
     "cp_comm_type": ["p2p", "allgather"],
     "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
-    "lr_decay_style": ["constant", "linear", "cosine"],
+    "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
+    "lr_wsd_decay_style": ["linear", "cosine", "exponential", "minus_sqrt"],
+    "weight_decay_incr_style": ["constant", "linear", "cosine"],
     "recompute_granularity": ["full", "selective"],
     "attention_backend": ["auto", "flash", "sdpa"],
     "device": ["auto", "cuda", "cpu"],
     "tokenizer_type": ["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
 }
 _DERIVED = {"data_parallel_size"}
+# Flags that take a fixed number of values, by the name of each value.
+_VALUE_NAMES = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES")}
 # Flags whose default needs explaining.
 _HELP = {
     # Documents in a packed sequence (training._collate); mock data's EOD id is vocab-size - 1
@@ -205,6 +241,41 @@ _HELP = {
                             "document): SDPA with a mask on the CPU, FlexAttention on CUDA, document spans of the "
                             "blocks under context parallelism; needs --attention-dropout 0",
     "eod_mask_loss": "no loss at positions whose input token is an EOD (the prediction across documents)",
+    # Training length, batch ramp-up and schedules, with Megatron's meanings (optim/lr_schedule.py)
+    "train_iters": "iterations to train, or give --train-samples; default: 100",
+    "train_samples": "samples to train, instead of --train-iters: as many iterations as whole global batches fit; "
+                     "the -samples schedule flags go with it",
+    "rampup_batch_size": "the global batch starts at START and grows by INCREMENT in equal steps over SAMPLES "
+                         "consumed samples up to --global-batch-size; the micro-batches per step follow (needs "
+                         "--train-samples)",
+    "lr_warmup_iters": "iterations to warm the learning rate up over, linearly from --lr-warmup-init to --lr",
+    "lr_warmup_samples": "samples to warm up over, with --train-samples",
+    "lr_warmup_fraction": "warm up over this fraction of --lr-decay-iters/--lr-decay-samples, instead of "
+                          "--lr-warmup-iters/--lr-warmup-samples",
+    "lr_warmup_init": "the learning rate warmup starts from (that of the first step)",
+    "lr_decay_style": "after warmup: constant --lr; linear or cosine down to --min-lr over --lr-decay-iters; WSD "
+                      "(warmup-stable-decay): --lr, then down to --min-lr in the last --lr-wsd-decay-iters of "
+                      "--lr-decay-iters by --lr-wsd-decay-style",
+    "lr_decay_iters": "iterations to decay the learning rate over, --min-lr after them; default: --train-iters",
+    "lr_decay_samples": "samples to decay over, with --train-samples; default: --train-samples",
+    "lr_wsd_decay_style": "the shape of WSD's decay phase over the fraction t of it done: linear 1-t, cosine "
+                          "(1+cos(pi t))/2, exponential 2*0.5^t-1, minus_sqrt 1-sqrt(t)",
+    "lr_wsd_decay_iters": "iterations of WSD's decay phase, the last of --lr-decay-iters (WSD needs it)",
+    "lr_wsd_decay_samples": "samples of WSD's decay phase, with --train-samples",
+    "weight_decay_incr_style": "weight decay over the run: constant --weight-decay, or linear or cosine from "
+                               "--start-weight-decay to --end-weight-decay",
+    "start_weight_decay": "weight decay of the first step with --weight-decay-incr-style linear or cosine",
+    "end_weight_decay": "weight decay of the last step with --weight-decay-incr-style linear or cosine",
+    # Profiling (profiling.py)
+    "profile": "write a torch profiler trace (CPU, and CUDA on a GPU; Chrome/Perfetto JSON) of the steps from "
+               "--profile-step-start to --profile-step-end on each of --profile-ranks",
+    "use_pytorch_profiler": "accepted as in Megatron command lines: --profile always uses the torch profiler here",
+    "profile_step_start": "the first profiled step, counted from 0 as the iterations done before it (N: the step "
+                          "logged as iteration N+1)",
+    "profile_step_end": "the step profiling stops before (not profiled)",
+    "profile_ranks": "the global ranks to profile; default: 0",
+    "profile_dir": "where --profile writes rank<R>.pt.trace.json; default: --tensorboard-dir when set (as in "
+                   "Megatron), else ./profile",
     "torch_compile": "compile each transformer layer with torch.compile (inductor), eager elsewhere; losses equal "
                      "eager's (tested on CPU, fp32). Off by default: on 2 CPU threads a training step measured "
                      "1.02-1.04x eager (benchmarks/results/train_step.jsonl), not worth a compile of tens of "
@@ -230,6 +301,11 @@ def _value_type(f: dataclasses.Field):
     raise TypeError(f"config field {f.name} has an unsupported type {f.type}")
 
 
+def _item_type(f: dataclasses.Field):
+    """The type of each value of a list flag."""
+    return int if str(f.type).startswith("list[int]") else str
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
@@ -245,14 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
             flag = "--" + f.name.replace("_", "-")
             kind = _value_type(f)
             help_text = f"default: {f.default if f.default is not dataclasses.MISSING else '[]'}"
-            if f.name in _HELP:
-                help_text = f"{_HELP[f.name]}; {help_text}"
+            if f.name in _HELP:  # a help that names its default replaces the generic one
+                help_text = _HELP[f.name] if "; default: " in _HELP[f.name] else f"{_HELP[f.name]}; {help_text}"
             if kind is bool and f.default:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
             elif kind is bool:
                 group.add_argument(flag, action="store_true", help=help_text)
             elif kind is list:
-                group.add_argument(flag, nargs="+", help="[WEIGHT] PREFIX [[WEIGHT] PREFIX ...]")
+                names = _VALUE_NAMES.get(f.name)
+                group.add_argument(flag, nargs=len(names) if names else "+", metavar=names, type=_item_type(f),
+                                   help=_HELP.get(f.name, "[WEIGHT] PREFIX [[WEIGHT] PREFIX ...]"))
             else:
                 group.add_argument(flag, type=kind, choices=_CHOICES.get(f.name), help=help_text)
     return parser
@@ -291,6 +369,7 @@ def make_config(values: dict, world_size: int = 1) -> Config:
         setattr(getattr(config, owner[name]), name, value)
     _fill_defaults(config, world_size)
     validate(config, world_size)
+    _fill_train_iters(config)
     return config
 
 
@@ -354,6 +433,10 @@ def _yaml_value(f: dataclasses.Field, key, value, path: str):
         if choices and value not in choices:
             raise ConfigError(f"--config {path}: {key} is {value!r}; choose one of {', '.join(choices)}")
         return value
+    if kind is list and _item_type(f) is int:
+        if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+            return value
+        raise ConfigError(f"--config {path}: {key} must be a list of integers, got {type(value).__name__} {value!r}")
     if kind is list:
         items = [value] if isinstance(value, str) else value
         if isinstance(items, list) and items and all(
@@ -376,7 +459,19 @@ def _fill_defaults(config: Config, world_size: int) -> None:
     if p.use_distributed_optimizer and p.data_parallel_sharding_strategy == "no_shard":
         p.data_parallel_sharding_strategy = "optim"  # Megatron's: one reduce-scatter per step, sharded optimizer
     t.global_batch_size = _default_if_unset(t.global_batch_size, t.micro_batch_size * p.data_parallel_size)
-    o.lr_decay_iters = _default_if_unset(o.lr_decay_iters, t.train_iters)
+    if t.train_samples is None:
+        t.train_iters = _default_if_unset(t.train_iters, 100)
+        o.lr_decay_iters = _default_if_unset(o.lr_decay_iters, t.train_iters)
+    else:  # the iteration flags stay unset, for validation to refuse them beside --train-samples
+        o.lr_decay_samples = _default_if_unset(o.lr_decay_samples, t.train_samples)
+
+
+def _fill_train_iters(config: Config) -> None:
+    """With --train-samples, the iterations are the whole global batches they hold (after validation, which
+    makes sure the batch sizes are sound)."""
+    t = config.training
+    if t.train_samples is not None:
+        t.train_iters = iterations_in_samples(t.train_samples, t.global_batch_size, config.global_batch_size_at)
 
 
 def _default_if_unset(value, default):

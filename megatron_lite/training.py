@@ -27,11 +27,12 @@ from megatron_lite.model.moe import moe_metrics, set_moe_loss_scale
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.grad_buffer import DistributedDataParallel
-from megatron_lite.optim.lr_schedule import learning_rate
+from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import lifecycle, mappings
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
+from megatron_lite.profiling import StepProfiler
 from megatron_lite.timers import PhaseTimers
 from megatron_lite.validation import pipeline_stage_layers
 
@@ -109,10 +110,12 @@ def build_model(config: Config, pstate: ParallelState, model_provider, device) -
 
 
 def _num_samples(config: Config) -> tuple[int, int, int]:
+    """Train, validation and test samples the run reads (evaluation batches are always --global-batch-size)."""
     t = config.training
     gbs = t.global_batch_size
+    train = t.train_iters * gbs if t.train_samples is None else t.train_samples
     evaluations = t.train_iters // t.eval_interval  # the loop evaluates every eval_interval iterations
-    return t.train_iters * gbs, evaluations * t.eval_iters * gbs, t.eval_iters * gbs
+    return train, evaluations * t.eval_iters * gbs, t.eval_iters * gbs
 
 
 def padded_vocab_for(config: Config) -> int:
@@ -239,19 +242,24 @@ def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> torch.Ten
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,
-               pstate: ParallelState, iteration: int, device, timers: PhaseTimers | None = None) -> dict:
+               pstate: ParallelState, iteration: int, device, timers: PhaseTimers | None = None,
+               consumed_samples: int | None = None) -> dict:
     """Forward and backward over one global batch, then one optimizer step. With
     --check-for-nan-in-loss-and-grad a non-finite loss or gradient norm stops the run before the step is
     applied (every rank sees the same reduced values, so every rank stops). `timers` collects the time of
-    each phase."""
+    each phase. The samples consumed before the step (default: `iteration` batches of --global-batch-size,
+    right without --rampup-batch-size) decide its global batch size, learning rate and weight decay."""
     timers = timers or PhaseTimers(torch.device("cpu"))
+    if consumed_samples is None:
+        consumed_samples = iteration * config.training.global_batch_size
+    global_batch_size = config.global_batch_size_at(consumed_samples)
     for chunk in model:
         chunk.zero_grad_buffer()
     set_moe_loss_scale(model, optimizer.loss_scale)
     with timers.phase("forward_backward"):
         reports, tokens = get_schedule(config)(
-            forward_step_func, data_iterator, model, config.num_microbatches, pstate=pstate, config=config,
-            loss_scale=optimizer.loss_scale)
+            forward_step_func, data_iterator, model, config.num_microbatches_at(consumed_samples), pstate=pstate,
+            config=config, loss_scale=optimizer.loss_scale)
     with timers.phase("grad_reduce"):
         finalize_model_grads(model, pstate, tokens.to(device))
     with timers.phase("optimizer"):
@@ -260,11 +268,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
         check = config.optimizer.check_for_nan_in_loss_and_grad
         if check and not math.isfinite(lm_loss):
             raise _diverged(iteration, "lm loss", lm_loss)
-        lr = learning_rate(config.optimizer, iteration)
-        update_successful = optimizer.apply(lr, grad_norm)
+        lr = learning_rate(config, consumed_samples)
+        update_successful = optimizer.apply(lr, grad_norm, weight_decay(config, consumed_samples))
         if check and not update_successful and optimizer.grad_scaler is None:
             raise _diverged(iteration, "grad norm", grad_norm)
-    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr,
+    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr, "global_batch_size": global_batch_size,
             "loss_scale": optimizer.loss_scale, "skipped_iter": int(not update_successful)}
 
 
@@ -350,12 +358,14 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
     logger.reset_timer()
     completed = resume.iteration
     try:
-        with ExitSignalHandler(t.exit_signal_handler) as signal_handler:
+        with (ExitSignalHandler(t.exit_signal_handler) as signal_handler,
+              StepProfiler(config, pstate.rank, device, resume.iteration) as profiler):
             exit_conditions = ExitConditions(config, pstate, device, signal_handler)
             for iteration in range(resume.iteration, t.train_iters):
+                profiler.step(iteration)
                 metrics = train_step(forward_step_func, train_iterator, model, optimizer, config, pstate,
-                                     iteration, device, timers)
-                consumed_samples += config.training.global_batch_size
+                                     iteration, device, timers, consumed_samples)
+                consumed_samples += metrics["global_batch_size"]
                 completed = iteration + 1
                 metrics["consumed_samples"] = consumed_samples
                 if completed % config.logging.log_interval == 0:

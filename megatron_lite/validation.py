@@ -25,7 +25,8 @@ def validate(config: Config, world_size: int) -> None:
     """Check everything that can be checked before a process group exists; raise one ConfigError."""
     problems = _value_problems(config)
     if not problems:  # the checks below divide by sizes that must first be known to be positive
-        problems = _layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
+        problems = (_layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
+                    + _schedule_problems(config) + _profile_problems(config, world_size))
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -42,13 +43,15 @@ _INT_MINIMUMS = {
     "ddp_bucket_size": 1,
     "micro_batch_size": 1, "global_batch_size": 1, "train_iters": 1, "eval_interval": 1, "eval_iters": 0,
     "seed": 0, "exit_interval": 1, "save_interval": 1, "keep_last_n": 1, "ckpt_step": 0, "log_interval": 1,
-    "tensorboard_log_interval": 1,
+    "tensorboard_log_interval": 1, "train_samples": 1, "lr_warmup_samples": 0, "lr_decay_samples": 1,
+    "lr_wsd_decay_iters": 1, "lr_wsd_decay_samples": 1, "profile_step_start": 0, "profile_step_end": 1,
 }
 _POSITIVE_FLOATS = {"rotary_base", "norm_epsilon", "moe_expert_capacity_factor", "loss_scale", "initial_loss_scale",
                     "min_loss_scale", "exit_duration_in_mins", "distributed_timeout_minutes", "peak_tflops"}
 _NON_NEGATIVE_FLOATS = {"lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "init_method_std",
-                        "moe_aux_loss_coeff", "moe_z_loss_coeff"}
-_FRACTIONS = {"hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"}  # in [0, 1)
+                        "moe_aux_loss_coeff", "moe_z_loss_coeff", "lr_warmup_init", "start_weight_decay",
+                        "end_weight_decay"}
+_FRACTIONS = {"hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction"}  # in [0, 1)
 
 
 def _value_problems(config: Config) -> list[str]:
@@ -259,4 +262,109 @@ def _optimizer_problems(config: Config) -> list[str]:
     if p.overlap_param_gather and p.data_parallel_sharding_strategy == "no_shard":
         problems.append("--overlap-param-gather needs --use-distributed-optimizer (or a "
                         "--data-parallel-sharding-strategy other than no_shard)")
+    return problems
+
+
+def _given(section, *names: str) -> list[str]:
+    """The flags among `names` set to something other than unset (None) or 0."""
+    return ["--" + name.replace("_", "-") for name in names if getattr(section, name) not in (None, 0)]
+
+
+def _schedule_problems(config: Config) -> list[str]:
+    """Megatron's rules for the training length, batch ramp-up and schedules: a run counts iterations
+    (--train-iters) or samples (--train-samples), and every schedule flag counts in the same unit."""
+    o, t = config.optimizer, config.training
+    if t.train_samples is None:
+        by_samples = _given(o, "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples") + _given(
+            t, "rampup_batch_size")
+        problems = [f"{', '.join(by_samples)} need sample-based training: give --train-samples instead of "
+                    f"--train-iters"] if by_samples else []
+    else:
+        by_iterations = _given(o, "lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")
+        problems = [f"{', '.join(by_iterations)} count iterations; with --train-samples give the -samples "
+                    f"flags instead"] if by_iterations else []
+        if t.train_iters is not None:
+            problems.append(f"give one of --train-iters ({t.train_iters}) and --train-samples ({t.train_samples})")
+    if o.lr_warmup_fraction is not None and (o.lr_warmup_iters or o.lr_warmup_samples):
+        problems.append("give one of --lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples")
+    if o.lr_warmup_init > o.lr:
+        problems.append(f"lr-warmup-init ({o.lr_warmup_init}) must not exceed lr ({o.lr})")
+    problems += _wsd_problems(config) + _weight_decay_problems(config)
+    rampup = _rampup_problems(config)
+    if not rampup and t.train_samples is not None and t.train_samples < config.global_batch_size_at(0):
+        rampup = [f"train-samples ({t.train_samples}) must hold at least the first global batch "
+                  f"({config.global_batch_size_at(0)})"]
+    return problems + rampup
+
+
+def _wsd_problems(config: Config) -> list[str]:
+    o = config.optimizer
+    unit = "iters" if config.training.train_samples is None else "samples"
+    decay_phase, decay = getattr(o, f"lr_wsd_decay_{unit}"), getattr(o, f"lr_decay_{unit}")
+    if o.lr_decay_style != "WSD":
+        given = _given(o, "lr_wsd_decay_iters", "lr_wsd_decay_samples")
+        return [f"{', '.join(given)} only apply with --lr-decay-style WSD"] if given else []
+    if decay_phase is None:
+        return [f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the length of its final decay phase)"]
+    if decay_phase > decay:
+        return [f"lr-wsd-decay-{unit} ({decay_phase}) must not exceed lr-decay-{unit} ({decay})"]
+    return []
+
+
+def _weight_decay_problems(config: Config) -> list[str]:
+    o = config.optimizer
+    start, end = o.start_weight_decay, o.end_weight_decay
+    if o.weight_decay_incr_style == "constant":
+        return [] if start is None and end is None else [
+            "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine (constant "
+            "keeps --weight-decay)"]
+    if start is None or end is None:
+        return [f"--weight-decay-incr-style {o.weight_decay_incr_style} needs --start-weight-decay and "
+                f"--end-weight-decay"]
+    if end < start:
+        return [f"end-weight-decay ({end}) must not be below start-weight-decay ({start}): the weight decay "
+                f"increases over the run"]
+    return []
+
+
+def _rampup_problems(config: Config) -> list[str]:
+    """Every global batch of the ramp-up must be whole micro-batches on every data-parallel rank (and, for
+    the interleaved schedule, a multiple of the pipeline size), and the ramp must end at --global-batch-size."""
+    t, p = config.training, config.parallel
+    if t.rampup_batch_size is None:
+        return []
+    if len(t.rampup_batch_size) != 3:
+        return [f"--rampup-batch-size takes 3 values, START INCREMENT SAMPLES; got {len(t.rampup_batch_size)}"]
+    start, increment, samples = t.rampup_batch_size
+    if start < 1 or increment < 1 or samples < 0:
+        return [f"--rampup-batch-size START ({start}) and INCREMENT ({increment}) must be positive and SAMPLES "
+                f"({samples}) not negative"]
+    gbs = t.global_batch_size
+    if start > gbs or (gbs - start) % increment:
+        return [f"--rampup-batch-size must reach global-batch-size ({gbs}) from START ({start}) in steps of "
+                f"INCREMENT ({increment})"]
+    per_step = t.micro_batch_size * p.data_parallel_size
+    sizes = {"START": start, "INCREMENT": increment} if start < gbs else {"START": start}
+    problems = [f"rampup-batch-size {name} ({size}) must be divisible by micro-batch-size ({t.micro_batch_size}) "
+                f"x data-parallel size ({p.data_parallel_size}) = {per_step}"
+                for name, size in sizes.items() if size % per_step]
+    pp = p.pipeline_model_parallel_size
+    if not problems and p.num_layers_per_virtual_pipeline_stage is not None:
+        problems += [f"rampup-batch-size {name} ({size}) must be a multiple of pipeline-model-parallel-size ({pp}) "
+                     f"micro-batches ({pp * per_step} samples) for the interleaved schedule"
+                     for name, size in sizes.items() if size // per_step % pp]
+    return problems
+
+
+def _profile_problems(config: Config, world_size: int) -> list[str]:
+    log = config.logging
+    if not log.profile:
+        return []
+    problems = []
+    if log.profile_step_end <= log.profile_step_start:
+        problems.append(f"profile-step-end ({log.profile_step_end}) must be after profile-step-start "
+                        f"({log.profile_step_start})")
+    outside = [rank for rank in log.profile_ranks if not 0 <= rank < world_size]
+    if outside:
+        problems.append(f"profile-ranks {outside} are not ranks of this run (world size {world_size})")
     return problems

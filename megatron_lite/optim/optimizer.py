@@ -71,8 +71,9 @@ class Optimizer:
         self.grad_scaler = build_grad_scaler(config)
         decay = [m for r, m in zip(self.ranges, self.masters) if r.param.ndim > 1]
         no_decay = [m for r, m in zip(self.ranges, self.masters) if r.param.ndim <= 1]
-        groups = [{"params": decay, "weight_decay": config.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        # wd_mult, as in Megatron: the share of the scheduled weight decay a group takes
+        groups = [{"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
+                  {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
         fused = bool(self.masters) and self.masters[0].is_cuda
         self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
                                       betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
@@ -118,10 +119,11 @@ class Optimizer:
         return self.grad_norm()
 
     @torch.no_grad()
-    def apply(self, lr: float, grad_norm: float) -> bool:
+    def apply(self, lr: float, grad_norm: float, weight_decay: float | None = None) -> bool:
         """Clip to --clip-grad and update; whether the update happened. The norm is global, so every rank
         decides alike. Gradients that are not finite are an fp16 overflow (skipped: the loss scaler backs
-        off) or, with --check-for-nan-in-loss-and-grad, a step never applied."""
+        off) or, with --check-for-nan-in-loss-and-grad, a step never applied. `weight_decay` is this step's
+        (--weight-decay-incr-style); None keeps the one of the previous step (at first --weight-decay)."""
         finite = math.isfinite(grad_norm)
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf=not finite)
@@ -134,6 +136,8 @@ class Optimizer:
             master.grad = owned.grad
         for group in self.adam.param_groups:
             group["lr"] = lr
+            if weight_decay is not None:
+                group["weight_decay"] = weight_decay * group["wd_mult"]
         self.adam.step()
         for master in self.masters:
             master.grad = None
