@@ -81,7 +81,6 @@ class TrainingLogger:
         self.enabled = enabled
         self.flops_per_token = training_flops_per_token(config.model)
         self.peak_tflops = device_peak_tflops(device, config.logging.peak_tflops)
-        self.tokens_per_iteration = config.training.global_batch_size * config.model.seq_length
         self.last_time = time.perf_counter()
         self.jsonl = None
         self.tensorboard = None
@@ -109,7 +108,8 @@ class TrainingLogger:
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         elapsed, self.last_time = now - self.last_time, now
-        tokens_per_sec = self.tokens_per_iteration / elapsed
+        batch = metrics.get("global_batch_size", self.config.training.global_batch_size)  # grows in a ramp-up
+        tokens_per_sec = batch * self.config.model.seq_length / elapsed
         tflops = tokens_per_sec * self.flops_per_token / self.world_size / 1e12
         record = {"iteration": iteration, **metrics, "tokens_per_sec": tokens_per_sec,
                   "tflops_per_device": tflops, "iteration_time_s": elapsed, "memory_gib": memory_gib(self.device),

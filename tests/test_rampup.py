@@ -115,3 +115,9 @@ def test_a_rampup_that_does_not_divide_is_a_one_line_error(flags, world_size, me
     with pytest.raises(ConfigError) as error:
         make_config({**RAMP, **flags}, world_size)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_throughput_counts_the_tokens_of_each_ramped_batch():
+    for record in train(RAMP):
+        tokens = record["tokens_per_sec"] * record["iteration_time_s"]
+        assert tokens == pytest.approx(record["global_batch_size"] * RAMP["seq_length"], rel=1e-9)
