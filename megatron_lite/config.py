@@ -119,7 +119,13 @@ class OptimizerConfig:
 @dataclass
 class DataConfig:
     data_path: list[str] = field(default_factory=list)
+    data_args_path: str | None = None  # a file holding the --data-path words (see _HELP)
     split: str = "969,30,1"
+    # Separate corpora per split instead of --data-path and --split (see _HELP)
+    train_data_path: list[str] = field(default_factory=list)
+    valid_data_path: list[str] = field(default_factory=list)
+    test_data_path: list[str] = field(default_factory=list)
+    mmap_bin_files: bool = True  # --no-mmap-bin-files reads the .bin with file reads (see _HELP)
     mock_data: bool = False
     tokenizer_type: str = "NullTokenizer"
     tokenizer_model: str | None = None
@@ -235,6 +241,16 @@ _DERIVED = {"data_parallel_size"}
 _VALUE_NAMES = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES")}
 # Flags whose default needs explaining.
 _HELP = {
+    # Data sources, with Megatron's meanings (training/arguments.py, core/datasets)
+    "data_args_path": "a file holding what --data-path would take (WEIGHT PREFIX pairs or prefixes, split on any "
+                      "whitespace), for blends of hundreds of prefixes; instead of --data-path",
+    "split": "train,valid,test shares of each --data-path prefix's documents; does not apply to "
+             "--train-data-path/--valid-data-path/--test-data-path; default: 969,30,1",
+    "train_data_path": "[WEIGHT] PREFIX ... of an independent train corpus, read whole (instead of --data-path)",
+    "valid_data_path": "[WEIGHT] PREFIX ... of an independent validation corpus, read whole; none: no evaluation",
+    "test_data_path": "[WEIGHT] PREFIX ... of an independent test corpus, read whole",
+    "mmap_bin_files": "memory-map the .bin files; --no-mmap-bin-files reads each sample with file reads instead "
+                      "(for file systems where mapping is slow or refused); samples are the same",
     # Documents in a packed sequence (training._collate); mock data's EOD id is vocab-size - 1
     "reset_position_ids": "position ids restart at 0 after each end-of-document (EOD) token",
     "reset_attention_mask": "a token attends only to the tokens of its own document (the EOD token ends its "

@@ -132,7 +132,8 @@ def set_vocab_size_from_tokenizer(config: Config) -> None:
 
 
 def build_datasets(config: Config):
-    """Train/valid/test datasets: synthetic with --mock-data, else the indexed corpus of --data-path.
+    """Train/valid/test datasets: synthetic with --mock-data, else the indexed corpus of --data-path (or
+    --data-args-path) cut by --split, or a corpus per split from --train/--valid/--test-data-path.
 
     The corpus is checked against the model's vocabulary (the tokenizer's, unpadded: ids in the padding
     are as wrong as ids past it). Training never reads the test split, so it asks no test samples of the
@@ -144,10 +145,18 @@ def build_datasets(config: Config):
         return (MockGPTDataset(train_n, m.seq_length, m.vocab_size, seed),
                 MockGPTDataset(valid_n, m.seq_length, m.vocab_size, seed + 1),
                 MockGPTDataset(test_n, m.seq_length, m.vocab_size, seed + 2))
-    from megatron_lite.data.builder import build_train_valid_test_datasets
+    from megatron_lite.data import builder
 
-    return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length, seed, (train_n, valid_n, 0),
-                                           cache_dir=d.data_cache_path, vocab_size=m.vocab_size)
+    options = {"cache_dir": d.data_cache_path, "vocab_size": m.vocab_size, "mmap_bin_files": d.mmap_bin_files}
+    if d.train_data_path:
+        return builder.build_per_split_datasets((d.train_data_path, d.valid_data_path, d.test_data_path),
+                                                m.seq_length, seed, (train_n, valid_n, 0), **options)
+    if d.data_args_path:
+        return builder.build_train_valid_test_datasets(builder.read_data_args(d.data_args_path), d.split,
+                                                       m.seq_length, seed, (train_n, valid_n, 0),
+                                                       flag=f"--data-args-path {d.data_args_path}", **options)
+    return builder.build_train_valid_test_datasets(d.data_path, d.split, m.seq_length, seed, (train_n, valid_n, 0),
+                                                   **options)
 
 
 def _collate(samples, eod: int | None = None, reset_position_ids: bool = False, reset_attention_mask: bool = False,

@@ -218,8 +218,7 @@ def _run_problems(config: Config) -> list[str]:
     if t.global_batch_size % per_step:
         problems.append(f"global-batch-size ({t.global_batch_size}) must be divisible by micro-batch-size "
                         f"({t.micro_batch_size}) x data-parallel size ({p.data_parallel_size}) = {per_step}")
-    if not d.mock_data and not d.data_path:
-        problems.append("no training data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
+    problems += _data_source_problems(config)
     if config.logging.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         problems.append("--tensorboard-dir needs the tensorboard package: pip install 'megatron-lite[tensorboard]'")
     if d.mock_data and not m.vocab_size:
@@ -236,6 +235,29 @@ def _run_problems(config: Config) -> list[str]:
     problems += _optimizer_problems(config)
     problems += _document_problems(config)
     return problems
+
+
+def _data_source_problems(config: Config) -> list[str]:
+    """One source of training data, as in Megatron: --mock-data, one blend cut by --split
+    (--data-path or --data-args-path), or a corpus per split (--train-data-path, with optional
+    --valid-data-path and --test-data-path)."""
+    d = config.data
+    blend = [flag for flag, value in (("--data-path", d.data_path), ("--data-args-path", d.data_args_path))
+             if value]
+    per_split = [f"--{name}-data-path" for name in ("train", "valid", "test") if getattr(d, f"{name}_data_path")]
+    if d.mock_data:  # mock data replaces any corpus, as in Megatron
+        return []
+    if len(blend) > 1:
+        return ["give --data-path or --data-args-path (a file of the same words), not both"]
+    if blend and per_split:
+        return [f"{blend[0]} (cut by --split) and {', '.join(per_split)} (a corpus per split) exclude each other; "
+                f"use one or the other"]
+    if per_split and not d.train_data_path:
+        return [f"{', '.join(per_split)} given without --train-data-path: name the train corpus too"]
+    if not blend and not per_split:
+        return ["no training data: pass --data-path PREFIX (see tools/preprocess_data.py), --data-args-path FILE, "
+                "--train-data-path PREFIX or --mock-data"]
+    return []
 
 
 def _document_problems(config: Config) -> list[str]:

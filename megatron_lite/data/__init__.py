@@ -8,7 +8,7 @@
     index_cache.py         index arrays cached on disk, built once under a file lock
     gpt_dataset.py         GPTDataset: shuffled seq_length + 1 token samples across documents
     blended_dataset.py     BlendedDataset: several datasets mixed by weight
-    builder.py             build_train_valid_test_datasets from --data-path and --split
+    builder.py             train/valid/test datasets from --data-path and --split, or a corpus per split
     samplers.py            which samples each data-parallel rank reads, from consumed samples
     mock.py                synthetic samples for --mock-data
 """

@@ -16,11 +16,12 @@ import numpy as np
 from megatron_lite.validation import ConfigError
 
 
-def normalize_weights(weights: list[float]) -> np.ndarray:
+def normalize_weights(weights: list[float], flag: str = "--data-path") -> np.ndarray:
+    """The weights scaled to sum to 1; `flag` names where they came from in the error."""
     weights = np.asarray(weights, dtype=np.float64)
     if len(weights) == 0 or not np.all(np.isfinite(weights)) or np.any(weights <= 0):
         raise ConfigError(f"blend weights must be positive numbers, got {weights.tolist()}; "
-                          f"fix the weights in --data-path")
+                          f"fix the weights in {flag}")
     return weights / weights.sum()
 
 

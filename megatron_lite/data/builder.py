@@ -1,9 +1,11 @@
-"""Builds the train/valid/test datasets from --data-path, --split, --seq-length and --seed.
+"""Builds the train/valid/test datasets from --data-path (or --data-args-path) and --split, or from
+--train-data-path/--valid-data-path/--test-data-path, with --seq-length and --seed.
 
-Each prefix's documents are cut into three contiguous ranges by --split (Megatron's rounding,
-so the same flags pick the same documents as Megatron-LM). One prefix gives a GPTDataset per
-split; several give a BlendedDataset per split over one GPTDataset per prefix, weighted by
-the given weights or, without weights, by each prefix's number of tokens in that split.
+With one blend, each prefix's documents are cut into three contiguous ranges by --split (Megatron's
+rounding, so the same flags pick the same documents as Megatron-LM). With a blend per split, each
+split reads all documents of its own prefixes and --split does not apply. One prefix gives a
+GPTDataset; several give a BlendedDataset over one GPTDataset per prefix, weighted by the given
+weights or, without weights, by each prefix's number of tokens in that split.
 """
 
 import os
@@ -20,25 +22,39 @@ from megatron_lite.validation import ConfigError
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
-    """(prefixes, weights) from ["P"], ["P1", "P2"] or ["W1", "P1", "W2", "P2"]."""
+def parse_data_path(data_path: list[str], flag: str = "--data-path") -> tuple[list[str], list[float] | None]:
+    """(prefixes, weights) from ["P"], ["P1", "P2"] or ["W1", "P1", "W2", "P2"]; `flag` names the source
+    of the list in errors."""
     if not data_path:
-        raise ConfigError("--data-path is empty; give PREFIX or WEIGHT PREFIX pairs (or use --mock-data)")
+        raise ConfigError(f"{flag} is empty; give PREFIX or WEIGHT PREFIX pairs (or use --mock-data)")
     try:
         float(data_path[0])
     except ValueError:
         return list(data_path), None
     if len(data_path) % 2:
-        raise ConfigError(f"--data-path {' '.join(data_path)}: weights and prefixes must come in "
+        raise ConfigError(f"{flag} {' '.join(data_path)}: weights and prefixes must come in "
                           f"WEIGHT PREFIX pairs")
     weights = []
     for w in data_path[0::2]:
         try:
             weights.append(float(w))
         except ValueError:
-            raise ConfigError(f"--data-path weight {w!r} is not a number; use WEIGHT PREFIX pairs") from None
-    normalize_weights(weights)
+            raise ConfigError(f"{flag} weight {w!r} is not a number; use WEIGHT PREFIX pairs") from None
+    normalize_weights(weights, flag)
     return list(data_path[1::2]), weights
+
+
+def read_data_args(path: str) -> list[str]:
+    """The words of a --data-args-path file: what --data-path would take, split on any whitespace, so
+    that a blend of hundreds of prefixes can be one `WEIGHT PREFIX` line each."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            words = f.read().split()
+    except OSError as error:
+        raise DataError(f"--data-args-path {path}: cannot read it ({error.strerror})") from None
+    if not words:
+        raise DataError(f"--data-args-path {path} is empty; write PREFIX or WEIGHT PREFIX pairs in it")
+    return words
 
 
 def parse_split(split: str) -> list[float]:
@@ -65,23 +81,17 @@ def split_ranges(num_documents: int, shares: list[float]) -> list[tuple[int, int
 
 def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
                                     num_samples: tuple[int, int, int], cache_dir: str | None = None, *,
-                                    vocab_size: int):
-    """(train, valid, test): each yields >= num_samples[i] samples of seq_length + 1 tokens, or is None
-    when its --split share is 0 or no samples are asked of it.
+                                    vocab_size: int, mmap_bin_files: bool = True, flag: str = "--data-path"):
+    """(train, valid, test) from one blend cut by `split`: each yields >= num_samples[i] samples of
+    seq_length + 1 tokens, or is None when its --split share is 0 or no samples are asked of it.
 
     Every token id must be below `vocab_size` (the model's vocabulary, unpadded); each dataset is
     checked on first use and the result cached, so that data made with another tokenizer fails here.
     """
-    if len(num_samples) != 3 or any(n < 0 for n in num_samples):
-        raise ValueError(f"num_samples must be three non-negative counts, got {num_samples}")
-    prefixes, weights = parse_data_path(data_path)
+    _check_num_samples(num_samples)
+    prefixes, weights = parse_data_path(data_path, flag)
     shares = parse_split(split)
-    indexed = [IndexedDataset(prefix) for prefix in prefixes]
-    for ds in indexed:
-        if ds.num_tokens == 0:
-            raise DataError(f"data prefix {ds.prefix} holds no tokens ({len(ds)} sequences); "
-                            f"preprocess a corpus with text in it")
-        check_token_ids(ds, vocab_size, cache_dir or default_cache_dir(ds.prefix))
+    indexed = _open_checked(prefixes, vocab_size, cache_dir, mmap_bin_files)
     ranges = [split_ranges(len(ds), shares) for ds in indexed]
     results = []
     for i, name in enumerate(SPLIT_NAMES):
@@ -93,20 +103,61 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
                 raise DataError(f"the {name} split of {ds.prefix} gets no documents of its {len(ds)}, but "
                                 f"{num_samples[i]} {name} samples are needed; raise its share in "
                                 f"--split {split!r} or set the share to 0")
-
-        def make(k, n, i=i, name=name):
-            return GPTDataset(indexed[k], ranges[k][i], n, seq_length, seed, cache_dir, split_name=name)
-
-        if len(indexed) == 1:
-            results.append(make(0, num_samples[i]))
-            continue
-        split_weights = weights or [
-            int(ds.sequence_lengths[slice(*r[i])].sum(dtype=np.int64)) for ds, r in zip(indexed, ranges)]
-        blend = _blending_indices(split_weights, num_samples[i], cache_dir or default_cache_dir(prefixes[0]))
-        counts = np.bincount(blend["dataset_index"], minlength=len(indexed))
-        components = [make(k, int(counts[k])) for k in range(len(indexed))]
-        results.append(BlendedDataset(components, blend["dataset_index"], blend["dataset_sample_index"]))
+        results.append(_blend(indexed, [r[i] for r in ranges], weights, num_samples[i], name, seq_length, seed,
+                              cache_dir))
     return tuple(results)
+
+
+def build_per_split_datasets(data_paths: tuple[list[str], list[str], list[str]], seq_length: int, seed: int,
+                             num_samples: tuple[int, int, int], cache_dir: str | None = None, *,
+                             vocab_size: int, mmap_bin_files: bool = True):
+    """(train, valid, test), each from all documents of its own blend (Megatron's --train-data-path,
+    --valid-data-path, --test-data-path); a split without a blend, or asked no samples, is None."""
+    _check_num_samples(num_samples)
+    results = []
+    for data_path, n, name in zip(data_paths, num_samples, SPLIT_NAMES):
+        if not data_path or n == 0:
+            results.append(None)
+            continue
+        prefixes, weights = parse_data_path(data_path, f"--{name}-data-path")
+        indexed = _open_checked(prefixes, vocab_size, cache_dir, mmap_bin_files)
+        results.append(_blend(indexed, [(0, len(ds)) for ds in indexed], weights, n, name, seq_length, seed,
+                              cache_dir))
+    return tuple(results)
+
+
+def _check_num_samples(num_samples: tuple[int, int, int]) -> None:
+    if len(num_samples) != 3 or any(n < 0 for n in num_samples):
+        raise ValueError(f"num_samples must be three non-negative counts, got {num_samples}")
+
+
+def _open_checked(prefixes: list[str], vocab_size: int, cache_dir: str | None, mmap_bin: bool
+                  ) -> list[IndexedDataset]:
+    """The indexed datasets of `prefixes`, each holding tokens and only ids below `vocab_size`."""
+    indexed = [IndexedDataset(prefix, mmap_bin) for prefix in prefixes]
+    for ds in indexed:
+        if ds.num_tokens == 0:
+            raise DataError(f"data prefix {ds.prefix} holds no tokens ({len(ds)} sequences); "
+                            f"preprocess a corpus with text in it")
+        check_token_ids(ds, vocab_size, cache_dir or default_cache_dir(ds.prefix))
+    return indexed
+
+
+def _blend(indexed: list[IndexedDataset], document_ranges: list[tuple[int, int]], weights: list[float] | None,
+           num_samples: int, split_name: str, seq_length: int, seed: int, cache_dir: str | None):
+    """One split: a GPTDataset over documents document_ranges[k] of indexed[k] for one prefix; for several,
+    a BlendedDataset by `weights`, or by the tokens each range holds when there are none."""
+    def make(k, n):
+        return GPTDataset(indexed[k], document_ranges[k], n, seq_length, seed, cache_dir, split_name=split_name)
+
+    if len(indexed) == 1:
+        return make(0, num_samples)
+    split_weights = weights or [int(ds.sequence_lengths[slice(*r)].sum(dtype=np.int64))
+                                for ds, r in zip(indexed, document_ranges)]
+    blend = _blending_indices(split_weights, num_samples, cache_dir or default_cache_dir(indexed[0].prefix))
+    counts = np.bincount(blend["dataset_index"], minlength=len(indexed))
+    components = [make(k, int(counts[k])) for k in range(len(indexed))]
+    return BlendedDataset(components, blend["dataset_index"], blend["dataset_sample_index"])
 
 
 def check_token_ids(dataset: IndexedDataset, vocab_size: int, cache_dir: str) -> None:

@@ -13,7 +13,9 @@ Megatron-LM and the reverse. `PREFIX.bin` is the raw token array. `PREFIX.idx` i
     int64[D]  document indices: document k holds sequences [doc[k], doc[k+1])
 
 all little-endian. We write one sequence per document, so doc = [0, 1, ..., S].
-Reading maps both files and hands out numpy views: no token is copied until a caller asks.
+Reading maps the .idx. The .bin is memory-mapped too by default, and sequences are numpy views
+of it; with `mmap_bin=False` (Megatron's --no-mmap-bin-files) each sequence is read from the file
+instead, for file systems where mapping is slow or not allowed.
 """
 
 import os
@@ -102,6 +104,35 @@ def _map(path: str) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
+class _MappedBin:
+    """The .bin's bytes, memory-mapped: a read is a view, the page cache is shared between processes."""
+
+    def __init__(self, path: str):
+        self._bytes = _map(path)
+        self.size = len(self._bytes)
+
+    def read(self, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
+        return np.frombuffer(self._bytes, dtype, count, offset)
+
+
+class _FileBin:
+    """The .bin read with positional reads (pread): no mapping, one system call per read.
+
+    pread keeps no file position, so forked data-loader workers can share the open file.
+    """
+
+    def __init__(self, path: str):
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - open for the dataset's lifetime
+        self.size = os.fstat(self._file.fileno()).st_size
+
+    def read(self, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
+        data = os.pread(self._file.fileno(), count * dtype.itemsize, offset)
+        if len(data) != count * dtype.itemsize:
+            raise DataError(f"{self._file.name} ended at byte {offset + len(data)} while reading {count} tokens "
+                            f"from byte {offset}; the file changed after it was opened")
+        return np.frombuffer(data, dtype)
+
+
 def _read_header(index: np.ndarray, name: str) -> tuple[np.dtype, int, int]:
     """(token dtype, sequence count, document count) from the .idx bytes, after checking that the
     header is Megatron's and that the file holds exactly the arrays it announces."""
@@ -155,11 +186,12 @@ class IndexedDataset:
     belong together fails here, naming the file, instead of training on misread tokens.
     """
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, mmap_bin: bool = True):
         for path in (idx_path(prefix), bin_path(prefix)):
             if not os.path.isfile(path):
                 raise DataError(f"data prefix {prefix!r}: {path} not found; {missing_prefix_hint(prefix)}")
         self.prefix = prefix
+        self.mmap_bin = mmap_bin
         self._index = _map(idx_path(prefix))
         self.dtype, n_seq, n_doc = _read_header(self._index, idx_path(prefix))
         offset = _HEADER.size
@@ -168,7 +200,7 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(self._index, np.int64, n_seq, offset)
         offset += n_seq * 8
         self.document_indices = np.frombuffer(self._index, np.int64, n_doc, offset)
-        self._bin = _map(bin_path(prefix))
+        self._bin = _MappedBin(bin_path(prefix)) if mmap_bin else _FileBin(bin_path(prefix))
         self._check_index_matches_bin()
 
     def _check_index_matches_bin(self) -> None:
@@ -182,10 +214,10 @@ class IndexedDataset:
             raise DataError(f"{name}: sequence {int(np.argmax(lengths < 0))} has a negative length; "
                             f"the index is damaged, rerun tools/preprocess_data.py")
         expected_bytes = self.num_tokens * itemsize
-        if len(self._bin) != expected_bytes:
-            raise DataError(f"{bin_path(self.prefix)} has {len(self._bin)} bytes but {name} describes "
+        if self._bin.size != expected_bytes:
+            raise DataError(f"{bin_path(self.prefix)} has {self._bin.size} bytes but {name} describes "
                             f"{self.num_tokens} {self.dtype} tokens ({expected_bytes} bytes)"
-                            f"{_dtype_guess(len(self._bin), self.num_tokens)}; the .bin and .idx do not "
+                            f"{_dtype_guess(self._bin.size, self.num_tokens)}; the .bin and .idx do not "
                             f"belong together: rerun tools/preprocess_data.py")
         misplaced = _first_misplaced_sequence(lengths, self.sequence_pointers, itemsize)
         if misplaced is not None:
@@ -201,18 +233,18 @@ class IndexedDataset:
 
     def token_id_range(self) -> tuple[int, int]:
         """(smallest, largest) token id in the .bin: one pass over the file, a chunk at a time."""
-        tokens = np.frombuffer(self._bin, self.dtype)
-        if tokens.size == 0:
+        total = self._bin.size // self.dtype.itemsize
+        if total == 0:
             return 0, 0
-        smallest, largest = int(tokens[0]), int(tokens[0])
-        for start in range(0, tokens.size, _SCAN_CHUNK_TOKENS):
-            chunk = tokens[start: start + _SCAN_CHUNK_TOKENS]
+        smallest, largest = np.iinfo(self.dtype).max, np.iinfo(self.dtype).min
+        for start in range(0, total, _SCAN_CHUNK_TOKENS):
+            chunk = self._bin.read(self.dtype, min(_SCAN_CHUNK_TOKENS, total - start), start * self.dtype.itemsize)
             smallest, largest = min(smallest, int(chunk.min())), max(largest, int(chunk.max()))
         return smallest, largest
 
     def __reduce__(self):
         """Pickle the prefix, not the mapped files: a spawned DataLoader worker maps them itself."""
-        return IndexedDataset, (self.prefix,)
+        return IndexedDataset, (self.prefix, self.mmap_bin)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -221,11 +253,12 @@ class IndexedDataset:
         return self.get(i)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens [offset, offset + length) of sequence i, as a zero-copy view of the .bin."""
+        """Tokens [offset, offset + length) of sequence i: a zero-copy view of the mapped .bin, or a
+        read-only array read from the file with mmap_bin=False."""
         if length is None:
             length = int(self.sequence_lengths[i]) - offset
         start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin, self.dtype, length, start)
+        return self._bin.read(self.dtype, length, start)
 
     @property
     def num_tokens(self) -> int:
