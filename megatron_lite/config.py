@@ -36,6 +36,14 @@ class ModelConfig:
     openai_gelu: bool = False  # GPT-2's tanh approximation of GELU instead of the exact erf form
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
+    kv_channels: int | None = None  # the head dimension; default hidden_size / num_attention_heads
+    qk_layernorm: bool = False  # a --normalization norm on each query and key head (Qwen3)
+    add_qkv_bias: bool = False  # a bias on the QKV projection, even with --disable-bias-linear (Qwen2)
+    use_rope_scaling: bool = False  # Llama 3.1's RoPE frequency scaling (see _HELP)
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
     untie_embeddings_and_output_weights: bool = False
     disable_bias_linear: bool = False
     hidden_dropout: float = 0.1
@@ -62,7 +70,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 @dataclass
@@ -241,6 +249,21 @@ _DERIVED = {"data_parallel_size"}
 _VALUE_NAMES = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES")}
 # Flags whose default needs explaining.
 _HELP = {
+    # Model families (model/attention.py)
+    "kv_channels": "the dimension of each attention head (Qwen3: 128 at hidden size 1024 with 16 heads); default: "
+                   "hidden-size / num-attention-heads",
+    "qk_layernorm": "normalize each query and key head over its head dimension, before RoPE, with a norm of the "
+                    "--normalization kind (Qwen3)",
+    "add_qkv_bias": "a bias on the QKV projection only, also with --disable-bias-linear (Qwen2)",
+    "use_rope_scaling": "Llama 3.1's RoPE scaling: rotary frequencies with wavelengths above "
+                        "original-max-position-embeddings / low-freq-factor are divided by --rope-scaling-factor, "
+                        "those below original-max-position-embeddings / high-freq-factor kept, those between "
+                        "interpolated",
+    "rope_scaling_factor": "with --use-rope-scaling: how much the low frequencies are slowed (Llama 3.1: 8, 3.2: 32)",
+    "rope_scaling_low_freq_factor": "with --use-rope-scaling: see there",
+    "rope_scaling_high_freq_factor": "with --use-rope-scaling: see there",
+    "rope_scaling_original_max_position_embeddings": "with --use-rope-scaling: the context length of pretraining "
+                                                     "before the scaling",
     # Data sources, with Megatron's meanings (training/arguments.py, core/datasets)
     "data_args_path": "a file holding what --data-path would take (WEIGHT PREFIX pairs or prefixes, split on any "
                       "whitespace), for blends of hundreds of prefixes; instead of --data-path",

@@ -28,6 +28,19 @@ MODEL_PRESETS: dict[str, dict] = {
         "num_query_groups": 8, "seq_length": 8192, "max_position_embeddings": 8192, "vocab_size": 128256,
         "norm_epsilon": 1e-5, "rotary_base": 500000.0, "init_method_std": 0.02,
     },
+    "llama3.2-1b": {  # tied embeddings and Llama 3.1's RoPE scaling (factor 32 for 3.2)
+        **_LLAMA, "num_layers": 16, "hidden_size": 2048, "ffn_hidden_size": 8192, "num_attention_heads": 32,
+        "num_query_groups": 8, "seq_length": 8192, "max_position_embeddings": 131072, "vocab_size": 128256,
+        "norm_epsilon": 1e-5, "rotary_base": 500000.0, "untie_embeddings_and_output_weights": False,
+        "use_rope_scaling": True, "rope_scaling_factor": 32.0, "rope_scaling_low_freq_factor": 1.0,
+        "rope_scaling_high_freq_factor": 4.0, "rope_scaling_original_max_position_embeddings": 8192,
+    },
+    "qwen3-0.6b": {  # heads of 128 channels (16 x 128 > hidden 1024), q/k norms, tied embeddings
+        **_LLAMA, "num_layers": 28, "hidden_size": 1024, "ffn_hidden_size": 3072, "num_attention_heads": 16,
+        "num_query_groups": 8, "kv_channels": 128, "seq_length": 4096, "max_position_embeddings": 40960,
+        "vocab_size": 151936, "norm_epsilon": 1e-6, "rotary_base": 1000000.0, "qk_layernorm": True,
+        "untie_embeddings_and_output_weights": False,
+    },
     "mixtral-tiny": {
         **_LLAMA, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 256, "num_attention_heads": 4,
         "num_query_groups": 2, "seq_length": 128, "max_position_embeddings": 128, "vocab_size": 1024,

@@ -73,17 +73,15 @@ class ChunkPlan:
 def model_chunk_plans(config: Config, pp_rank: int) -> list[ChunkPlan]:
     """The layers of each of this stage's model chunks (several with the interleaved schedule).
 
-    With v virtual stages of L layers each, chunk c of stage p holds global layers starting at
-    (c * pp + p) * L, so micro-batches flow 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ... .
+    With v chunks per stage, each stage's layers are split evenly among its chunks (Megatron's rule, uneven
+    first and last stages included): with L[p] = layers of stage p / v, chunk c of stage p holds L[p] layers
+    starting at c * sum(L) + sum(L[:p]), so micro-batches flow 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ... .
     """
     pp = config.parallel.pipeline_model_parallel_size
-    vp_layers = config.parallel.num_layers_per_virtual_pipeline_stage
-    if vp_layers is None:
-        counts = pipeline_stage_layers(config)
-        return [ChunkPlan(sum(counts[:pp_rank]), counts[pp_rank], pp_rank == 0, pp_rank == pp - 1)]
-    chunks = config.model.num_layers // (vp_layers * pp)
-    return [ChunkPlan((c * pp + pp_rank) * vp_layers, vp_layers, c == 0 and pp_rank == 0,
-                      c == chunks - 1 and pp_rank == pp - 1) for c in range(chunks)]
+    chunks = config.virtual_pipeline_stages or 1
+    per_chunk = [count // chunks for count in pipeline_stage_layers(config)]
+    return [ChunkPlan(c * sum(per_chunk) + sum(per_chunk[:pp_rank]), per_chunk[pp_rank],
+                      c == 0 and pp_rank == 0, c == chunks - 1 and pp_rank == pp - 1) for c in range(chunks)]
 
 
 def params_dtype(config: Config) -> torch.dtype:
@@ -231,7 +229,7 @@ def get_schedule(config: Config):
     """The schedule for the layout, by Megatron's names."""
     if config.parallel.pipeline_model_parallel_size == 1:
         return schedules.forward_backward_no_pipelining
-    if config.parallel.num_layers_per_virtual_pipeline_stage is not None:
+    if config.virtual_pipeline_stages is not None:
         return schedules.forward_backward_pipelining_with_interleaving
     return schedules.forward_backward_pipelining_without_interleaving
 

@@ -45,9 +45,11 @@ _INT_MINIMUMS = {
     "seed": 0, "exit_interval": 1, "save_interval": 1, "keep_last_n": 1, "ckpt_step": 0, "log_interval": 1,
     "tensorboard_log_interval": 1, "train_samples": 1, "lr_warmup_samples": 0, "lr_decay_samples": 1,
     "lr_wsd_decay_iters": 1, "lr_wsd_decay_samples": 1, "profile_step_start": 0, "profile_step_end": 1,
+    "kv_channels": 1, "rope_scaling_original_max_position_embeddings": 1,
 }
 _POSITIVE_FLOATS = {"rotary_base", "norm_epsilon", "moe_expert_capacity_factor", "loss_scale", "initial_loss_scale",
-                    "min_loss_scale", "exit_duration_in_mins", "distributed_timeout_minutes", "peak_tflops"}
+                    "min_loss_scale", "exit_duration_in_mins", "distributed_timeout_minutes", "peak_tflops",
+                    "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor"}
 _NON_NEGATIVE_FLOATS = {"lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "init_method_std",
                         "moe_aux_loss_coeff", "moe_z_loss_coeff", "lr_warmup_init", "start_weight_decay",
                         "end_weight_decay"}
@@ -174,7 +176,7 @@ def _pipeline_split_problems(config: Config) -> list[str]:
 def _model_problems(config: Config) -> list[str]:
     m = config.model
     problems = []
-    if m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         problems.append(f"hidden-size ({m.hidden_size}) must be divisible by num-attention-heads "
                         f"({m.num_attention_heads})")
     if m.num_attention_heads % m.num_query_groups:
@@ -186,6 +188,7 @@ def _model_problems(config: Config) -> list[str]:
                         f"--max-position-embeddings or shorten --seq-length")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         problems.append(f"rope needs an even head dimension, got {m.head_dim}")
+    problems += _rope_scaling_problems(m)
     if m.num_experts:
         if m.moe_router_topk > m.num_experts:
             problems.append(f"moe-router-topk ({m.moe_router_topk}) must not exceed num-experts "
@@ -195,6 +198,18 @@ def _model_problems(config: Config) -> list[str]:
     if m.recompute_num_layers is not None and m.recompute_granularity != "full":
         problems.append("--recompute-num-layers needs --recompute-granularity full")
     return problems
+
+
+def _rope_scaling_problems(m) -> list[str]:
+    """--use-rope-scaling rescales rotary frequencies: it needs RoPE, and a band between its two wavelengths."""
+    if not m.use_rope_scaling:
+        return []
+    if m.position_embedding_type != "rope":
+        return [f"--use-rope-scaling needs --position-embedding-type rope, not {m.position_embedding_type}"]
+    if m.rope_scaling_high_freq_factor <= m.rope_scaling_low_freq_factor:
+        return [f"rope-scaling-high-freq-factor ({m.rope_scaling_high_freq_factor}) must exceed "
+                f"rope-scaling-low-freq-factor ({m.rope_scaling_low_freq_factor})"]
+    return []
 
 
 def _checkpoint_problems(config: Config) -> list[str]:

@@ -44,7 +44,7 @@ def test_greedy_generation_equals_transformers_generate(converted, family):
     assert torch.equal(ours, transformers_greedy(hf_dir, PROMPT, NEW_TOKENS))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral"])
 def test_kv_cache_decoding_equals_full_forward(converted, family):
     """Prompt in one pass, then 3 tokens at once (queries after an offset), then one at a time."""
     model = our_model(converted[family][1])

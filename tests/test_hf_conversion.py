@@ -1,4 +1,5 @@
-"""tools/convert_checkpoint.py for llama (GQA untied, and tied with one KV head), gpt2 and mixtral built by
+"""tools/convert_checkpoint.py for llama (GQA untied, tied with one KV head, and with Llama 3.1's RoPE scaling),
+qwen2 (QKV biases), qwen3 (q/k head norms, head_dim other than hidden / heads), gpt2 and mixtral built by
 transformers from configs: our logits equal transformers' in one process and at TP2 x PP2 through the training
 load path; exported checkpoints load in transformers with our logits; HF -> ours -> HF is tensor-identical;
 bad input fails with one line."""
@@ -31,7 +32,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 VOCAB, SEQ = 300, 32
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = ["llama", "llama_tied", "gpt2", "mixtral"]
+FAMILIES = ["llama", "llama_tied", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral"]
+# Scaled wavelengths from those below 64 / 4 (kept) through the band to 64 (interpolated) and above (divided)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def hf_config(family: str):
@@ -47,6 +51,13 @@ def hf_config(family: str):
                                                   **llama),
         "llama_tied": lambda: transformers.LlamaConfig(intermediate_size=128, num_attention_heads=8,
                                                        num_key_value_heads=2, tie_word_embeddings=True, **llama),
+        "llama_rope_scaling": lambda: transformers.LlamaConfig(intermediate_size=96, num_attention_heads=4,
+                                                               num_key_value_heads=2, rope_parameters=LLAMA3_ROPE,
+                                                               tie_word_embeddings=False, **llama),
+        "qwen2": lambda: transformers.Qwen2Config(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                                  tie_word_embeddings=True, **llama),
+        "qwen3": lambda: transformers.Qwen3Config(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=32, tie_word_embeddings=False, **llama),
         "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
                                                 embd_pdrop=0.0, attn_pdrop=0.0, **common),
         "mixtral": lambda: transformers.MixtralConfig(intermediate_size=64, num_attention_heads=4,
@@ -94,12 +105,22 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[str, str]]:
         for index, (family, (hf_dir, mlite_dir)) in enumerate(dirs.items()):
             torch.manual_seed(index)
             model = AutoModelForCausalLM.from_config(hf_config(family))
+            if family.startswith("qwen"):
+                perturb_biases_and_norms(model)
             model.save_pretrained(hf_dir)
             if family == "llama":
                 word_level_tokenizer().save(os.path.join(hf_dir, "tokenizer.json"))
             convert("--direction", "hf-to-mlite", "--load-dir", hf_dir, "--save-dir", mlite_dir)
         (root / "done").touch()
     return dirs
+
+
+@torch.no_grad()
+def perturb_biases_and_norms(model) -> None:
+    """transformers initializes biases to zero and norm weights to one: make them random, so that they count."""
+    for name, param in model.named_parameters():
+        if name.endswith(("bias", "norm.weight")):
+            param.add_(0.1 * torch.randn_like(param))
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +158,7 @@ def one_line_error(*argv: str) -> str:
 def test_converted_model_logits_equal_transformers(converted, family):
     hf_dir, mlite_dir = converted[family]
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    assert_close_relative(our_logits(mlite_dir, ids), hf_logits(hf_dir, ids), rel=1e-4)
+    assert_close_relative(our_logits(mlite_dir, ids), hf_logits(hf_dir, ids), rel=1e-5)
 
 
 def test_converted_checkpoint_carries_tokenizer_and_model_flags(converted):
@@ -286,7 +307,7 @@ def _copy_mlite(converted, tmp_path, **model_changes) -> str:
 def test_unknown_architecture_is_one_line_listing_supported_types(converted, tmp_path):
     source = _copy_hf(converted, tmp_path, model_type="bert")
     message = one_line_error("--direction", "hf-to-mlite", "--load-dir", source, "--save-dir", str(tmp_path / "out"))
-    assert "unsupported model_type 'bert'" in message and "llama, gpt2, mixtral" in message
+    assert "unsupported model_type 'bert'" in message and "llama, qwen2, qwen3, gpt2, mixtral" in message
     result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--direction", "hf-to-mlite", "--load-dir",
                              source, "--save-dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
                             timeout=120)
@@ -321,8 +342,8 @@ def test_mismatched_shapes_are_one_line(converted, tmp_path):
 
 
 def test_unsupported_variants_and_targets_are_one_line(converted, tmp_path):
-    source = _copy_hf(converted, tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    assert "RoPE scaling" in one_line_error("--direction", "hf-to-mlite", "--load-dir", source, "--save-dir",
+    source = _copy_hf(converted, tmp_path, rope_scaling={"rope_type": "yarn", "factor": 8.0})
+    assert "RoPE scaling (yarn)" in one_line_error("--direction", "hf-to-mlite", "--load-dir", source, "--save-dir",
                                             str(tmp_path / "out"))
     message = one_line_error("--direction", "hf-to-mlite", "--load-dir", converted["llama"][0], "--save-dir",
                              str(tmp_path / "out"), "--target-tensor-parallel-size", "3")

@@ -6,7 +6,8 @@ import pytest
 from megatron_lite.config import ConfigError, make_config
 from megatron_lite.training import model_chunk_plans
 from megatron_lite.validation import pipeline_stage_layers
-from tests.test_pipeline_parallel import TINY_8_LAYERS
+from tests.harness import run_on_ranks
+from tests.test_pipeline_parallel import TINY_8_LAYERS, assert_run_matches, reference, train_and_collect
 
 
 def error_for(values: dict, world_size: int) -> str:
@@ -60,3 +61,41 @@ def test_interleaved_chunks_take_every_pp_th_virtual_stage():
     plans = {stage: model_chunk_plans(config, stage) for stage in range(2)}
     assert [(p.layer_offset, p.pre_process, p.post_process) for p in plans[0]] == [(0, True, False), (4, False, False)]
     assert [(p.layer_offset, p.pre_process, p.post_process) for p in plans[1]] == [(2, False, False), (6, False, True)]
+
+
+def test_virtual_stages_per_rank_give_the_chunks_of_the_layers_per_virtual_stage():
+    by_layers = make_config({**TINY_8_LAYERS, "pipeline_model_parallel_size": 2,
+                             "num_layers_per_virtual_pipeline_stage": 2}, 2)
+    by_stages = make_config({**TINY_8_LAYERS, "pipeline_model_parallel_size": 2,
+                             "num_virtual_stages_per_pipeline_rank": 2}, 2)
+    assert by_stages.virtual_pipeline_stages == by_layers.virtual_pipeline_stages == 2
+    for stage in range(2):
+        assert model_chunk_plans(by_stages, stage) == model_chunk_plans(by_layers, stage)
+
+
+def test_virtual_stages_split_uneven_first_and_last_stages_as_megatron():
+    config = make_config({**TINY_8_LAYERS, "num_layers": 10, "pipeline_model_parallel_size": 3,
+                          "decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 4,
+                          "num_virtual_stages_per_pipeline_rank": 2, "global_batch_size": 6}, 3)
+    chunks = [[(plan.layer_offset, plan.num_layers) for plan in model_chunk_plans(config, stage)] for stage in range(3)]
+    assert chunks == [[(0, 1), (5, 1)], [(1, 2), (6, 2)], [(3, 2), (8, 2)]]
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"num_virtual_stages_per_pipeline_rank": 2}, "--num-virtual-stages-per-pipeline-rank needs "
+                                                  "pipeline-model-parallel-size > 1"),
+    ({"pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 3,
+      "num_virtual_stages_per_pipeline_rank": 2},
+     "layers of pipeline stage 0 (3) must be divisible by num-virtual-stages-per-pipeline-rank (2)"),
+    ({"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
+      "num_layers_per_virtual_pipeline_stage": 2},
+     "set one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"),
+])
+def test_bad_virtual_stages_are_one_line(values, message):
+    assert error_for(values, values.get("pipeline_model_parallel_size", 1)) == message
+
+
+def test_pp2_vp2_uneven_by_virtual_stages_per_rank_matches_single_device():
+    values = {**TINY_8_LAYERS, "pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 2,
+              "decoder_last_pipeline_num_layers": 6, "num_virtual_stages_per_pipeline_rank": 2}
+    assert_run_matches(run_on_ranks(2, train_and_collect, values, 2), reference(TINY_8_LAYERS))

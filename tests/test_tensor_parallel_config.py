@@ -15,8 +15,6 @@ BASE = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "seq_l
      "num-attention-heads (6) must be divisible by tensor-model-parallel-size (4)"),
     ({"tensor_model_parallel_size": 4, "num_query_groups": 2},
      "num-query-groups (2) must be divisible by tensor-model-parallel-size (4)"),
-    ({"tensor_model_parallel_size": 1, "sequence_parallel": True},
-     "--sequence-parallel needs tensor-model-parallel-size > 1; drop the flag or raise TP"),
     ({"tensor_model_parallel_size": 4, "num_query_groups": 4, "sequence_parallel": True, "seq_length": 30},
      "seq-length / context-parallel-size (30) must be divisible by tensor-model-parallel-size (4) with "
      "--sequence-parallel"),
@@ -35,6 +33,16 @@ def test_sequence_parallel_is_accepted_when_everything_divides():
     config = make_config({**BASE, "tensor_model_parallel_size": 4, "num_query_groups": 4,
                           "sequence_parallel": True}, world_size=8)
     assert config.parallel.data_parallel_size == 2
+
+
+def test_sequence_parallel_at_tp1_is_turned_off_with_one_warning_as_in_megatron(capsys, monkeypatch):
+    config = make_config({**BASE, "sequence_parallel": True}, world_size=2)
+    assert not config.parallel.sequence_parallel
+    assert capsys.readouterr().out == ("warning: disabling --sequence-parallel because tensor-model-parallel-size "
+                                       "is 1\n")
+    monkeypatch.setenv("RANK", "1")
+    assert not make_config({**BASE, "sequence_parallel": True}, world_size=2).parallel.sequence_parallel
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize(("tp", "padded"), [(1, 1000), (2, 1000), (4, 1200), (8, 1600)])

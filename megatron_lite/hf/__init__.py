@@ -1,6 +1,6 @@
 """Hugging Face interchange: config mapping, weight mapping, safetensors files and model-only checkpoints.
 
-    configs.py           config.json <-> megatron_lite model flags, for the llama, gpt2 and mixtral families
+    configs.py           config.json <-> megatron_lite model flags, for llama, qwen2, qwen3, gpt2, mixtral
     weights.py           HF tensors <-> global megatron_lite tensors (fused QKV per query group, [gate; up])
     safetensors_files.py reading and writing (sharded) safetensors and carrying tokenizer files
     checkpoint.py        the megatron_lite side: an ordinary checkpoint holding model weights only

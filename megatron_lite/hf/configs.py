@@ -1,9 +1,11 @@
-"""Hugging Face config.json <-> megatron_lite model flags, for the llama, gpt2 and mixtral families.
+"""Hugging Face config.json <-> megatron_lite model flags, for the llama, qwen2, qwen3, gpt2 and mixtral families.
 
 A config.json becomes the values of pretrain_gpt.py's model flags (ModelConfig field names); a ModelConfig
-becomes a config.json that `transformers.AutoModelForCausalLM.from_pretrained` reads. Variants our model
-cannot reproduce exactly (RoPE scaling, attention or MLP biases in Llama, sliding windows, GPT-2's
-per-layer attention scaling) are refused with one line rather than converted into a different network.
+becomes a config.json that `transformers.AutoModelForCausalLM.from_pretrained` reads. Qwen2 is a Llama with a
+QKV bias (--add-qkv-bias), Qwen3 one with per-head q/k norms (--qk-layernorm); Llama 3.1's RoPE scaling (rope_type
+"llama3") is --use-rope-scaling. Variants our model cannot reproduce exactly (other RoPE scalings, attention or
+MLP biases in Llama, sliding windows, GPT-2's per-layer attention scaling) are refused with one line rather than
+converted into a different network.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral")
 
 
 class ConversionError(UserError, ValueError):
@@ -40,39 +42,62 @@ def _refuse(condition: bool, what: str) -> None:
         raise ConversionError(f"{what} is not supported by megatron_lite; this checkpoint cannot be converted exactly")
 
 
-def _rope_theta(hf: dict) -> float:
-    """rope_theta from transformers 5's `rope_parameters` or the older top-level key; only plain RoPE."""
-    parameters = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    rope_type = parameters.get("rope_type", "default")
-    _refuse(bool(scaling) or rope_type != "default", f"RoPE scaling ({scaling or rope_type})")
-    return float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+# rope_type "llama3" keys -> our flags
+_LLAMA3_ROPE_FLAGS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
+                      "high_freq_factor": "rope_scaling_high_freq_factor",
+                      "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
+
+
+def _rope_values(hf: dict) -> dict:
+    """--rotary-base and Llama 3.1's scaling from transformers 5's `rope_parameters` or the older `rope_theta` and
+    `rope_scaling` keys (`rope_scaling` wins where both are given); plain RoPE or rope_type "llama3" only."""
+    parameters = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    _refuse(rope_type not in ("default", "llama3"), f"RoPE scaling ({rope_type})")
+    values = {"rotary_base": float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if rope_type == "llama3":
+        missing = [key for key in _LLAMA3_ROPE_FLAGS if key not in parameters]
+        if missing:
+            raise ConversionError(f"config.json's llama3 RoPE scaling has no {', '.join(missing)}")
+        values.update({flag: parameters[key] for key, flag in _LLAMA3_ROPE_FLAGS.items()}, use_rope_scaling=True)
+    return values
 
 
 def _llama_values(hf: dict) -> dict:
     hidden, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
     head_dim = hf.get("head_dim") or hidden // heads
-    _refuse(head_dim * heads != hidden, f"head_dim ({head_dim}) x num_attention_heads ({heads}) != hidden_size "
-                                        f"({hidden})")
     _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
-    _refuse(bool(hf.get("attention_bias") or hf.get("mlp_bias")), "a Llama with attention or MLP biases")
+    _refuse(bool(hf.get("attention_bias") or hf.get("mlp_bias")),
+            f"a {hf.get('model_type')} with attention or MLP biases")
     positions = _get(hf, "max_position_embeddings")
     return {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
             "disable_bias_linear": True, "group_query_attention": True,
             "num_layers": _get(hf, "num_hidden_layers"), "hidden_size": hidden,
             "ffn_hidden_size": _get(hf, "intermediate_size"), "num_attention_heads": heads,
-            "num_query_groups": hf.get("num_key_value_heads") or heads, "seq_length": positions,
+            "num_query_groups": hf.get("num_key_value_heads") or heads,
+            "kv_channels": head_dim if head_dim != hidden // heads else None, "seq_length": positions,
             "max_position_embeddings": positions, "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-            "rotary_base": _rope_theta(hf), "vocab_size": _get(hf, "vocab_size"),
+            **_rope_values(hf), "vocab_size": _get(hf, "vocab_size"),
             "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
             "init_method_std": float(hf.get("initializer_range", 0.02)), "hidden_dropout": 0.0,
             "attention_dropout": float(hf.get("attention_dropout", 0.0))}
 
 
+def _qwen_values(hf: dict) -> dict:
+    """Qwen2 (a bias on q, k and v) and Qwen3 (RMSNorms on each query and key head): Llamas otherwise."""
+    _refuse(bool(hf.get("use_sliding_window")), f"sliding-window attention ({hf.get('sliding_window')})")
+    if hf["model_type"] == "qwen2":
+        return {**_llama_values(hf), "add_qkv_bias": True}
+    return {**_llama_values(hf), "qk_layernorm": True}
+
+
 def _mixtral_values(hf: dict) -> dict:
     window = hf.get("sliding_window")
     _refuse(window is not None and window < _get(hf, "max_position_embeddings"), f"sliding-window attention ({window})")
-    return {**_llama_values(hf), "num_experts": _get(hf, "num_local_experts"),
+    values = _llama_values(hf)
+    _refuse(values["kv_channels"] is not None, f"a mixtral head_dim ({hf.get('head_dim')}) other than hidden_size / "
+                                               f"num_attention_heads")
+    return {**values, "num_experts": _get(hf, "num_local_experts"),
             "moe_router_topk": _get(hf, "num_experts_per_tok"), "moe_ffn_hidden_size": _get(hf, "intermediate_size"),
             "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
 
@@ -98,7 +123,8 @@ def _gpt2_values(hf: dict) -> dict:
             "hidden_dropout": float(hf.get("resid_pdrop", 0.1)), "attention_dropout": float(hf.get("attn_pdrop", 0.1))}
 
 
-_FROM_HF = {"llama": _llama_values, "gpt2": _gpt2_values, "mixtral": _mixtral_values}
+_FROM_HF = {"llama": _llama_values, "qwen2": _qwen_values, "qwen3": _qwen_values, "gpt2": _gpt2_values,
+            "mixtral": _mixtral_values}
 
 
 def model_values_from_hf(hf: dict) -> dict:
@@ -116,18 +142,27 @@ def family_of_model(m: ModelConfig) -> str:
                   and m.disable_bias_linear)
     gpt2_like = (m.normalization == "LayerNorm" and not m.swiglu and m.position_embedding_type == "learned_absolute"
                  and not m.disable_bias_linear and m.num_query_groups == m.num_attention_heads)
-    if m.num_experts and llama_like and m.moe_layer_freq == 1 and not m.moe_router_pre_softmax:
+    plain_attention = not m.qk_layernorm and not m.add_qkv_bias and not m.use_rope_scaling
+    dense_llama = llama_like and not m.num_experts
+    if m.num_experts and llama_like and m.moe_layer_freq == 1 and not m.moe_router_pre_softmax and plain_attention \
+            and m.kv_channels in (None, m.hidden_size // m.num_attention_heads):
         return "mixtral"
-    if not m.num_experts and llama_like:
+    if dense_llama and m.add_qkv_bias and not m.qk_layernorm:
+        return "qwen2"
+    if dense_llama and m.qk_layernorm and not m.add_qkv_bias:
+        return "qwen3"
+    if dense_llama and not m.qk_layernorm and not m.add_qkv_bias:
         return "llama"
-    if not m.num_experts and gpt2_like:
+    if not m.num_experts and gpt2_like and plain_attention:
         return "gpt2"
     raise ConversionError(
         f"no Hugging Face model type has this network (normalization={m.normalization}, swiglu={m.swiglu}, "
         f"position-embedding-type={m.position_embedding_type}, disable-bias-linear={m.disable_bias_linear}, "
+        f"qk-layernorm={m.qk_layernorm}, add-qkv-bias={m.add_qkv_bias}, use-rope-scaling={m.use_rope_scaling}, "
         f"num-experts={m.num_experts}, moe-layer-freq={m.moe_layer_freq}, moe-router-pre-softmax="
-        f"{m.moe_router_pre_softmax}); supported: llama (RMSNorm, SwiGLU, RoPE, no biases), gpt2 (LayerNorm, GELU, "
-        f"learned positions, biases, no GQA), mixtral (llama with experts in every layer, softmax after top-k)")
+        f"{m.moe_router_pre_softmax}); supported: llama (RMSNorm, SwiGLU, RoPE, no biases, optional rope scaling), "
+        f"qwen2 (llama with --add-qkv-bias), qwen3 (llama with --qk-layernorm), gpt2 (LayerNorm, GELU, learned "
+        f"positions, biases, no GQA), mixtral (llama with experts in every layer, softmax after top-k)")
 
 
 def _llama_config(m: ModelConfig) -> dict:
@@ -135,10 +170,29 @@ def _llama_config(m: ModelConfig) -> dict:
             "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
             "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_query_groups,
             "head_dim": m.head_dim, "hidden_act": "silu", "max_position_embeddings": m.max_position_embeddings,
-            "rms_norm_eps": m.norm_epsilon, "rope_theta": m.rotary_base,
-            "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}, "rope_scaling": None,
+            "rms_norm_eps": m.norm_epsilon, "rope_theta": m.rotary_base, **_rope_config(m),
             "tie_word_embeddings": not m.untie_embeddings_and_output_weights, "attention_bias": False,
             "mlp_bias": False, "attention_dropout": m.attention_dropout, "initializer_range": m.init_method_std}
+
+
+def _rope_config(m: ModelConfig) -> dict:
+    """`rope_parameters` (transformers 5) and `rope_scaling` (older versions) of the model's RoPE."""
+    if not m.use_rope_scaling:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}, "rope_scaling": None}
+    scaling = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
+               "low_freq_factor": m.rope_scaling_low_freq_factor, "high_freq_factor": m.rope_scaling_high_freq_factor,
+               "original_max_position_embeddings": m.rope_scaling_original_max_position_embeddings}
+    return {"rope_parameters": {**scaling, "rope_theta": m.rotary_base}, "rope_scaling": scaling}
+
+
+def _qwen_config(m: ModelConfig, model_type: str, architecture: str) -> dict:
+    """Qwen2 has no attention_bias key (its q, k and v always have biases); both have sliding windows, off."""
+    config = _llama_config(m)
+    del config["mlp_bias"]
+    if model_type == "qwen2":
+        del config["attention_bias"]
+    return {**config, "architectures": [architecture], "model_type": model_type, "use_sliding_window": False,
+            "sliding_window": None}
 
 
 def _mixtral_config(m: ModelConfig) -> dict:
@@ -162,7 +216,9 @@ def _gpt2_config(m: ModelConfig) -> dict:
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False}
 
 
-_TO_HF = {"llama": _llama_config, "gpt2": _gpt2_config, "mixtral": _mixtral_config}
+_TO_HF = {"llama": _llama_config, "qwen2": lambda m: _qwen_config(m, "qwen2", "Qwen2ForCausalLM"),
+          "qwen3": lambda m: _qwen_config(m, "qwen3", "Qwen3ForCausalLM"), "gpt2": _gpt2_config,
+          "mixtral": _mixtral_config}
 
 
 def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:

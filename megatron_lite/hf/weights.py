@@ -1,4 +1,4 @@
-"""Hugging Face tensors <-> global megatron_lite tensors, for the llama, gpt2 and mixtral families.
+"""Hugging Face tensors <-> global megatron_lite tensors, for the llama, qwen2, qwen3, gpt2 and mixtral families.
 
 Both directions work on whole (global) tensors keyed by megatron_lite's global parameter names with the
 unpadded vocabulary, which is what a checkpoint stores, so the result loads into any parallel layout.
@@ -6,6 +6,7 @@ The non-trivial steps:
   fused QKV    laid out per query group, [q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...],
                so tensor parallelism can split whole groups (model/attention.py)
   SwiGLU fc1   [gate; up] stacked, for the dense MLP and for every expert
+  qwen2, qwen3 Llama's names, plus the q/k/v biases (fused like the weights) or the q/k head norms
   GPT-2        HF's Conv1D stores weights as [in, out]: transposed here; its c_attn is [q; k; v]
   RoPE         ours is HF's "rotate half" layout (model/attention.py), so q and k need no permutation
 The expected HF shapes (`hf_shapes`) come from the config, so a file that does not match it is reported
@@ -25,6 +26,8 @@ _NOT_WEIGHTS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 _GPT2_NORMS = (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"))
 _GPT2_TRANSPOSED_LINEARS = (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
                             ("mlp.linear_fc2", "mlp.c_proj"))
+# Qwen3's per-head norms (--qk-layernorm), ours under self_attention., HF's under self_attn.
+_QK_NORMS = (("q_layernorm.weight", "q_norm.weight"), ("k_layernorm.weight", "k_norm.weight"))
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -86,6 +89,11 @@ def hf_shapes(family: str, m: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                        p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        if m.add_qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if m.qk_layernorm:
+            shapes.update({f"{p}self_attn.{theirs}": (m.head_dim,) for _, theirs in _QK_NORMS})
         if family == "mixtral":
             e_ffn = m.moe_ffn_hidden_size
             shapes[p + "block_sparse_moe.gate.weight"] = (m.num_experts, h)
@@ -125,6 +133,12 @@ def _llama_attention_to_megatron(hf, src: str, dst: str, m: ModelConfig, out: di
     out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
         hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], m)
     out[dst + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
+    if m.add_qkv_bias:
+        out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
+            hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], m)
+    if m.qk_layernorm:
+        for ours, theirs in _QK_NORMS:
+            out[f"{dst}self_attention.{ours}"] = hf[attn + theirs]
 
 
 def _llama_to_megatron(hf, m: ModelConfig, layers, moe: bool) -> dict[str, torch.Tensor]:
@@ -181,16 +195,26 @@ def to_megatron(family: str, hf, m: ModelConfig, layers=iter) -> dict[str, torch
 # megatron_lite -> HF
 
 
+def _llama_attention_to_hf(t: dict, src: str, dst: str, m: ModelConfig, out: dict) -> None:
+    out[dst + "input_layernorm.weight"] = t[src + "input_layernorm.weight"]
+    out[dst + "post_attention_layernorm.weight"] = t[src + "pre_mlp_layernorm.weight"]
+    attn = dst + "self_attn."
+    q, k, v = split_qkv(t[src + "self_attention.linear_qkv.weight"], m)
+    out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
+                attn + "o_proj.weight": t[src + "self_attention.linear_proj.weight"]})
+    if m.add_qkv_bias:
+        q, k, v = split_qkv(t[src + "self_attention.linear_qkv.bias"], m)
+        out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
+    if m.qk_layernorm:
+        for ours, theirs in _QK_NORMS:
+            out[attn + theirs] = t[f"{src}self_attention.{ours}"]
+
+
 def _llama_to_hf(t: dict, m: ModelConfig, layers, moe: bool) -> dict[str, torch.Tensor]:
     out = {"model.embed_tokens.weight": t[WORD_EMBEDDINGS][:m.vocab_size]}
     for i in layers(range(m.num_layers)):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = t[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = t[src + "pre_mlp_layernorm.weight"]
-        q, k, v = split_qkv(t[src + "self_attention.linear_qkv.weight"], m)
-        out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                    dst + "self_attn.v_proj.weight": v,
-                    dst + "self_attn.o_proj.weight": t[src + "self_attention.linear_proj.weight"]})
+        _llama_attention_to_hf(t, src, dst, m, out)
         if moe:
             out[dst + "block_sparse_moe.gate.weight"] = t[src + "mlp.router.weight"]
             for e in range(m.num_experts):

@@ -1,5 +1,8 @@
 """Causal self-attention with grouped-query attention, rotary embeddings and swappable kernels.
 
+Model families: Llama 3.1's RoPE frequency scaling (--use-rope-scaling), a norm on each query and key head
+(--qk-layernorm, Qwen3) and a bias on the QKV projection alone (--add-qkv-bias, Qwen2).
+
 The fused QKV weight is laid out per query group, as in Megatron: for each of the `ng` groups,
 the group's `nh/ng` query heads, then its key head, then its value head. Tensor parallelism splits the
 groups across ranks, so each rank's contiguous slice of the QKV output holds whole groups and
@@ -20,6 +23,7 @@ applies documents block by block (model/context_parallel.py).
 from __future__ import annotations
 
 import functools
+import math
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -30,6 +34,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.context_parallel import context_parallel_attention
+from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.random import RNGTracker, checkpoint
 from megatron_lite.parallel.state import ParallelState
@@ -90,12 +95,44 @@ def _compiled(function):
     return torch.compile(function)
 
 
-class RotaryEmbedding(torch.nn.Module):
-    """RoPE (Su et al. 2021) in the "rotate half" layout used by Llama and Hugging Face."""
+class RopeScaling(NamedTuple):
+    """Llama 3.1's RoPE scaling (--use-rope-scaling and the --rope-scaling-* flags; HF's rope_type "llama3")."""
 
-    def __init__(self, head_dim: int, base: float):
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> RopeScaling | None:
+        """The model's scaling, or None without --use-rope-scaling."""
+        if not config.use_rope_scaling:
+            return None
+        return cls(config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+                   config.rope_scaling_high_freq_factor, config.rope_scaling_original_max_position_embeddings)
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Slow the low frequencies down by `factor` so that positions past the original context length look like
+        positions within it, keep the high frequencies (local order), and interpolate linearly in wavelength
+        between the two: the formula of Meta's Llama 3.1 and transformers' `_compute_llama3_parameters`."""
+        context = self.original_max_position_embeddings
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        interpolated = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        scaled = torch.where(wavelength > context / self.low_freq_factor, inv_freq / self.factor, inv_freq)
+        medium = (wavelength >= context / self.high_freq_factor) & (wavelength <= context / self.low_freq_factor)
+        return torch.where(medium, interpolated, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """RoPE (Su et al. 2021) in the "rotate half" layout used by Llama and Hugging Face, with Llama 3.1's
+    frequency scaling when `scaling` is given."""
+
+    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        if scaling is not None:
+            inv_freq = scaling.apply(inv_freq)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> Positions:
@@ -233,8 +270,32 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+class HeadNorm(torch.nn.Module):
+    """--qk-layernorm: the --normalization norm (RMSNorm or LayerNorm) of each query or key head over its
+    head_dim, one weight shared by all heads, as Megatron's q_layernorm/k_layernorm and Qwen3's q_norm/k_norm.
+
+    Every TP rank holds the whole weight but normalizes only its own heads, so each rank's gradient is a partial
+    sum: the spec marks it for the all-reduce over TP that finalize_model_grads gives such parameters.
+    """
+
+    def __init__(self, config: ModelConfig, tp_size: int):
+        super().__init__()
+        self.kind = config.normalization
+        self.eps = config.norm_epsilon
+        spec = dict(global_shape=(config.head_dim,), sequence_parallel=tp_size > 1)
+        self.weight = new_parameter(ShardSpec(**spec, init="ones"), 1)
+        self.bias = new_parameter(ShardSpec(**spec, init="zeros"), 1) if self.kind == "LayerNorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[s, b, n, d] -> the same, each head normalized over d."""
+        if self.kind == "RMSNorm":
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
 class SelfAttention(torch.nn.Module):
-    """QKV projection (column-parallel) -> RoPE -> core attention -> output projection (row-parallel)."""
+    """QKV projection (column-parallel) -> per-head q/k norms (--qk-layernorm) -> RoPE -> core attention ->
+    output projection (row-parallel)."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool,
                  backend: str, rng_tracker: RNGTracker | None):
@@ -244,8 +305,12 @@ class SelfAttention(torch.nn.Module):
         self.head_dim = config.head_dim
         bias = not config.disable_bias_linear
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, pstate, bias=bias,
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, pstate, bias=bias or config.add_qkv_bias,
                                                sequence_parallel=sequence_parallel)
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = HeadNorm(config, pstate.tp_size), HeadNorm(config, pstate.tp_size)
+        else:
+            self.q_layernorm = self.k_layernorm = None
         self.core_attention = CoreAttention(config.attention_dropout, backend, rng_tracker, pstate.group("cp"))
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              pstate, bias=bias, sequence_parallel=sequence_parallel)
@@ -262,6 +327,8 @@ class SelfAttention(torch.nn.Module):
         q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
         q = q.reshape(s, b, self.local_groups * self.heads_per_group, self.head_dim)  # [s, b, nh/tp, d]
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, d]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if positions.cos is not None:
             q, k = apply_rotary(q, positions.cos, positions.sin), apply_rotary(k, positions.cos, positions.sin)
         if kv_cache is not None:

@@ -24,8 +24,9 @@ class ShardSpec:
     tp_chunks      a fused tensor made of `tp_chunks` equal parts along tp_dim (SwiGLU's [gate; up]) is
                    split part by part, so each rank holds [gate_r; up_r]
     init           "normal" (std), "scaled_normal" (std / sqrt(2 * num_layers)), "ones" or "zeros"
-    sequence_parallel  replicated across TP but fed a sequence slice under sequence parallelism (norms,
-                   biases after a row-parallel layer): its gradient is summed over TP
+    sequence_parallel  replicated across TP but each rank's gradient is a partial sum, so it is summed over TP:
+                   norms and biases after a row-parallel layer fed a sequence slice under sequence
+                   parallelism, and the q/k norms of --qk-layernorm, which see only the rank's heads
     expert         an expert weight: gradients are reduced over the expert-data-parallel group
     valid_rows     rows beyond this index are vocabulary padding, initialized to zero and never used
     """

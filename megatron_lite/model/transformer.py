@@ -117,9 +117,8 @@ class TransformerBlock(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.final_layernorm = Norm(config, sequence_parallel) if final_norm else None
         self.rng_tracker = rng_tracker
-        self.recompute_full_layers = 0
-        if config.recompute_granularity == "full":
-            self.recompute_full_layers = config.recompute_num_layers or len(layers)
+        self.recompute_units = (full_recompute_units(config.recompute_method, config.recompute_num_layers, len(layers))
+                                if config.recompute_granularity == "full" else [])
         if config.recompute_granularity == "selective":
             for layer in layers:
                 layer.self_attention.recompute_core_attention = True
@@ -128,9 +127,39 @@ class TransformerBlock(torch.nn.Module):
                 layer.use_torch_compile()
 
     def forward(self, x: torch.Tensor, rotary, inference_params=None) -> torch.Tensor:
-        for index, layer in enumerate(self.layers):
-            if self.training and index < self.recompute_full_layers:
-                x = checkpoint(layer, self.rng_tracker, x, rotary)
-            else:
+        if self.training and self.recompute_units:
+            x = self._checkpointed_forward(x, rotary)
+        else:
+            for layer in self.layers:
                 x = layer(x, rotary, inference_params)
         return self.final_layernorm(x) if self.final_layernorm is not None else x
+
+    def _checkpointed_forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        """Full recomputation: each recomputed unit keeps only its input, and reruns its layers in backward."""
+        for layers, recompute in self.recompute_units:
+            run = _LayerRun(self.layers[layers])
+            x = checkpoint(run, self.rng_tracker, x, rotary) if recompute else run(x, rotary)
+        return x
+
+
+class _LayerRun:
+    """Consecutive layers called as one function, the unit that full recomputation checkpoints."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, rotary)
+        return x
+
+
+def full_recompute_units(method: str | None, num_layers: int | None, chunk_layers: int) -> list[tuple[slice, bool]]:
+    """(layers, recomputed) units of a model chunk of `chunk_layers` layers under --recompute-granularity full,
+    with Megatron's --recompute-method meanings: uniform checkpoints all layers in groups of `num_layers`
+    (the last group may be shorter); block checkpoints the first `num_layers` layers one by one and keeps the
+    rest's activations. Without a method: block, over every layer when `num_layers` is unset."""
+    if method == "uniform":
+        return [(slice(start, start + num_layers), True) for start in range(0, chunk_layers, num_layers)]
+    recomputed = num_layers if num_layers is not None else chunk_layers
+    return [(slice(index, index + 1), index < recomputed) for index in range(chunk_layers)]
