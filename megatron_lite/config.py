@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import yaml
@@ -64,6 +65,7 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     # Execution choices that change no numbers
     recompute_granularity: str | None = None
+    recompute_method: str | None = None  # which layers full recomputation covers (see _HELP)
     recompute_num_layers: int | None = None
     attention_backend: str = "auto"
     torch_compile: bool = False  # each transformer layer compiled with torch.compile (see _HELP)
@@ -80,9 +82,11 @@ class ParallelConfig:
     context_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
+    num_virtual_stages_per_pipeline_rank: int | None = None  # the interleaving set by chunks per stage instead
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     cp_comm_type: str = "p2p"
+    hierarchical_context_parallel_sizes: list[int] = field(default_factory=list)  # for a2a+p2p (see _HELP)
     expert_model_parallel_size: int = 1
     use_distributed_optimizer: bool = False  # ZeRO-1 (optim), unless --data-parallel-sharding-strategy says more
     overlap_grad_reduce: bool = False
@@ -210,6 +214,17 @@ class Config:
         return dataclasses.asdict(self)
 
     @property
+    def virtual_pipeline_stages(self) -> int | None:
+        """Model chunks per pipeline rank under the interleaved schedule (Megatron's
+        virtual_pipeline_model_parallel_size), from either virtual-stage flag; None without interleaving."""
+        m, p = self.model, self.parallel
+        if p.num_virtual_stages_per_pipeline_rank is not None:
+            return p.num_virtual_stages_per_pipeline_rank if p.num_virtual_stages_per_pipeline_rank > 1 else None
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            return m.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
+        return None
+
+    @property
     def num_microbatches(self) -> int:
         """Micro-batches per data-parallel rank in a batch of --global-batch-size (after any ramp-up)."""
         p, t = self.parallel, self.training
@@ -240,6 +255,7 @@ _CHOICES = {
     "lr_wsd_decay_style": ["linear", "cosine", "exponential", "minus_sqrt"],
     "weight_decay_incr_style": ["constant", "linear", "cosine"],
     "recompute_granularity": ["full", "selective"],
+    "recompute_method": ["uniform", "block"],
     "attention_backend": ["auto", "flash", "sdpa"],
     "device": ["auto", "cuda", "cpu"],
     "tokenizer_type": ["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
@@ -249,6 +265,22 @@ _DERIVED = {"data_parallel_size"}
 _VALUE_NAMES = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES")}
 # Flags whose default needs explaining.
 _HELP = {
+    # Activation recomputation and layouts, with Megatron's meanings
+    "recompute_method": "with --recompute-granularity full: uniform checkpoints every layer, in groups of "
+                        "--recompute-num-layers consecutive layers whose inputs alone are kept; block checkpoints "
+                        "only the first --recompute-num-layers layers of each model chunk (pipeline stage, or "
+                        "virtual stage when interleaved); unset: the first --recompute-num-layers layers of each "
+                        "chunk, every layer without it",
+    "recompute_num_layers": "layers per recomputed group (uniform), or recomputed layers per model chunk (block)",
+    "num_virtual_stages_per_pipeline_rank": "model chunks per pipeline rank for the interleaved schedule, each "
+                                            "stage's layers split evenly among them; unlike "
+                                            "--num-layers-per-virtual-pipeline-stage it allows "
+                                            "--decoder-first/last-pipeline-num-layers",
+    "cp_comm_type": "context-parallel attention: p2p (ring of K/V), allgather (all K/V gathered), a2a "
+                    "(Ulysses: all-to-all from a sequence split to a head split and back), a2a+p2p (a2a inside "
+                    "groups of --hierarchical-context-parallel-sizes A, a ring across the B groups)",
+    "hierarchical_context_parallel_sizes": "A B, with A x B = context-parallel-size, for --cp-comm-type a2a+p2p: "
+                                           "a2a over A adjacent cp ranks, p2p over B",
     # Model families (model/attention.py)
     "kv_channels": "the dimension of each attention head (Qwen3: 128 at hidden size 1024 with 16 heads); default: "
                    "hidden-size / num-attention-heads",
@@ -493,6 +525,10 @@ def _fill_defaults(config: Config, world_size: int) -> None:
     if not m.group_query_attention or m.num_query_groups is None:
         m.num_query_groups = m.num_attention_heads
     m.max_position_embeddings = _default_if_unset(m.max_position_embeddings, m.seq_length)
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:  # Megatron's rule: same numbers either way
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("warning: disabling --sequence-parallel because tensor-model-parallel-size is 1", flush=True)
+        p.sequence_parallel = False
     model_parallel = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
     p.data_parallel_size = max(world_size // model_parallel, 1) if model_parallel > 0 else 1
     if p.use_distributed_optimizer and p.data_parallel_sharding_strategy == "no_shard":

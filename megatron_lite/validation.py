@@ -38,6 +38,7 @@ _INT_MINIMUMS = {
     "num_experts": 1, "moe_router_topk": 1, "moe_ffn_hidden_size": 1, "moe_layer_freq": 1,
     "recompute_num_layers": 1, "tensor_model_parallel_size": 1, "context_parallel_size": 1,
     "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1, "num_layers_per_virtual_pipeline_stage": 1,
+    "num_virtual_stages_per_pipeline_rank": 1,
     "decoder_first_pipeline_num_layers": 0, "decoder_last_pipeline_num_layers": 0,
     "lr_warmup_iters": 0, "lr_decay_iters": 1, "loss_scale_window": 1, "hysteresis": 1, "num_workers": 0,
     "ddp_bucket_size": 1,
@@ -100,8 +101,6 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
     if dense_mlp and m.ffn_hidden_size % tp:
         problems.append(f"ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by "
                         f"tensor-model-parallel-size ({tp})")
-    if p.sequence_parallel and tp == 1:
-        problems.append("--sequence-parallel needs tensor-model-parallel-size > 1; drop the flag or raise TP")
     if p.sequence_parallel and (m.seq_length // cp) % tp:
         problems.append(f"seq-length / context-parallel-size ({m.seq_length // cp}) must be divisible by "
                         f"tensor-model-parallel-size ({tp}) with --sequence-parallel")
@@ -123,7 +122,9 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
                         f"tensor-model-parallel-size ({tp})")
     if p.num_layers_per_virtual_pipeline_stage is not None and pp == 1:
         problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline-model-parallel-size > 1")
-    problems += _pipeline_split_problems(config)
+    if p.num_virtual_stages_per_pipeline_rank is not None and pp == 1:
+        problems.append("--num-virtual-stages-per-pipeline-rank needs pipeline-model-parallel-size > 1")
+    problems += _pipeline_split_problems(config) + _context_parallel_problems(config)
     return problems
 
 
@@ -159,18 +160,44 @@ def _pipeline_split_problems(config: Config) -> list[str]:
     if middle_stages and (remaining % middle_stages or remaining == 0):
         return [f"num-layers ({m.num_layers}) cannot be split evenly over {pp} pipeline stages; set "
                 f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"]
-    vp_layers = p.num_layers_per_virtual_pipeline_stage
+    vp_layers, vp_stages = p.num_layers_per_virtual_pipeline_stage, p.num_virtual_stages_per_pipeline_rank
+    if vp_layers is not None and vp_stages is not None:
+        return ["set one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"]
     if vp_layers is not None:
         if first is not None or last is not None:
-            return ["--num-layers-per-virtual-pipeline-stage cannot be combined with an uneven split"]
+            return ["--num-layers-per-virtual-pipeline-stage cannot be combined with an uneven split; use "
+                    "--num-virtual-stages-per-pipeline-rank"]
         per_stage = m.num_layers // pp
         if per_stage % vp_layers:
             return [f"layers per pipeline stage ({per_stage}) must be divisible by "
                     f"num-layers-per-virtual-pipeline-stage ({vp_layers})"]
-        if config.num_microbatches % pp:
-            return [f"number of micro-batches ({config.num_microbatches}) must be divisible by "
-                    f"pipeline-model-parallel-size ({pp}) for the interleaved schedule"]
+    if vp_stages is not None:
+        uneven = [(stage, n) for stage, n in enumerate(pipeline_stage_layers(config)) if n % vp_stages]
+        if uneven:
+            stage, n = uneven[0]
+            return [f"layers of pipeline stage {stage} ({n}) must be divisible by "
+                    f"num-virtual-stages-per-pipeline-rank ({vp_stages})"]
+    if config.virtual_pipeline_stages is not None and config.num_microbatches % pp:
+        return [f"number of micro-batches ({config.num_microbatches}) must be divisible by "
+                f"pipeline-model-parallel-size ({pp}) for the interleaved schedule"]
     return []
+
+
+def _context_parallel_problems(config: Config) -> list[str]:
+    """The all-to-all modes split each tensor-parallel rank's heads over the a2a ranks: they must divide."""
+    m, p = config.model, config.parallel
+    cp, tp, sizes = p.context_parallel_size, p.tensor_model_parallel_size, p.hierarchical_context_parallel_sizes
+    if sizes and (len(sizes) != 2 or sizes[0] * sizes[1] != cp):
+        return [f"hierarchical-context-parallel-sizes {sizes} must be two sizes whose product is "
+                f"context-parallel-size ({cp})"]
+    if p.cp_comm_type == "a2a+p2p" and not sizes:
+        return ["--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B (A x B = "
+                "context-parallel-size)"]
+    a2a = cp if p.cp_comm_type == "a2a" else sizes[0] if p.cp_comm_type == "a2a+p2p" else 1
+    return [f"{name} per tensor-parallel rank ({count // tp}) must be divisible by the a2a context-parallel "
+            f"size ({a2a}) with --cp-comm-type {p.cp_comm_type}"
+            for name, count in (("num-attention-heads", m.num_attention_heads),
+                                ("num-query-groups", m.num_query_groups)) if (count // tp) % a2a]
 
 
 def _model_problems(config: Config) -> list[str]:
@@ -197,6 +224,10 @@ def _model_problems(config: Config) -> list[str]:
             problems.append("MoE experts have no biases: pass --disable-bias-linear with --num-experts")
     if m.recompute_num_layers is not None and m.recompute_granularity != "full":
         problems.append("--recompute-num-layers needs --recompute-granularity full")
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        problems.append("--recompute-method needs --recompute-granularity full")
+    if m.recompute_method is not None and m.recompute_num_layers is None:
+        problems.append(f"--recompute-method {m.recompute_method} needs --recompute-num-layers")
     return problems
 
 
@@ -386,7 +417,7 @@ def _rampup_problems(config: Config) -> list[str]:
                 f"x data-parallel size ({p.data_parallel_size}) = {per_step}"
                 for name, size in sizes.items() if size % per_step]
     pp = p.pipeline_model_parallel_size
-    if not problems and p.num_layers_per_virtual_pipeline_stage is not None:
+    if not problems and config.virtual_pipeline_stages is not None:
         problems += [f"rampup-batch-size {name} ({size}) must be a multiple of pipeline-model-parallel-size ({pp}) "
                      f"micro-batches ({pp * per_step} samples) for the interleaved schedule"
                      for name, size in sizes.items() if size // per_step % pp]
