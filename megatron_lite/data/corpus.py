@@ -1,8 +1,9 @@
-"""Reads raw-text corpora (jsonl, json, parquet, arrow, txt, save_to_disk folders) as HF datasets.
+"""Reads raw-text corpora (jsonl, json, parquet, arrow, txt, save_to_disk folders).
 
-The `datasets` library does the reading, memory-mapped and in C++; this module only resolves
-paths, checks the requested columns, and turns a reader failure into a line that names the
-file and line to fix. A .txt file is one document.
+JSON lines are read directly, in byte ranges that worker processes can read in parallel. Every
+other format goes through the `datasets` library (memory-mapped Arrow, read in C++). This module
+resolves paths, checks the requested columns, and turns a reader failure into a line that names
+the file and line to fix. A .txt file is one document.
 """
 
 import json
@@ -71,7 +72,7 @@ class Corpus:
         except UnicodeDecodeError:
             # The json reader keeps invalid bytes; they fail only when a batch becomes str.
             for file in self.files:
-                _raise_first_bad_line(file, self.kind)
+                raise_first_bad_line(file, self.kind)
             raise
 
 
@@ -91,7 +92,7 @@ def load_corpus(inputs: list[str], keys: list[str], cache_dir: str | None = None
                                             **options)
         except Exception:
             for file in files:
-                _raise_first_bad_line(file, kind)
+                raise_first_bad_line(file, kind)
             raise
     for key in keys:
         if key not in dataset.column_names:
@@ -104,7 +105,75 @@ def load_corpus(inputs: list[str], keys: list[str], cache_dir: str | None = None
     return Corpus(dataset, kind, files)
 
 
-def _raise_first_bad_line(path: str, kind: str) -> None:
+def jsonl_files(inputs: list[str]) -> list[str] | None:
+    """The files of `inputs` when all are JSON lines (json files not holding an array), else None.
+
+    Such files can be read in byte ranges, in parallel, without converting them to Arrow first.
+    """
+    kind, files = resolve_inputs(inputs)
+    if kind != "json":
+        return None
+    for path in files:
+        with open(path, "rb") as f:
+            if f.read(4096).lstrip().startswith(b"["):
+                return None
+    return files
+
+
+def check_jsonl_keys(files: list[str], keys: list[str]) -> None:
+    """Raise ValueError when the first record of the first non-empty file lacks a text column of `keys`."""
+    for path in files:
+        with open(path, "rb") as f:
+            line = next((raw for raw in f if raw.strip()), None)
+        if line is None:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise_first_bad_line(path, "json")
+            raise
+        for key in keys:
+            if key not in record:
+                raise ValueError(f"--json-keys {key!r} is not a column of {path} (columns: {', '.join(record)})")
+            if record[key] is not None and not isinstance(record[key], str):
+                raise ValueError(f"column {key!r} of {path} holds {type(record[key]).__name__}, not text; "
+                                 f"choose a text column with --json-keys")
+        return
+
+
+def jsonl_ranges(files: list[str], range_bytes: int) -> list[tuple[str, int, int]]:
+    """(path, start, end) byte ranges of about `range_bytes` covering the files, in input order; a
+    line belongs to the range its first byte lies in (see read_jsonl_range)."""
+    ranges = []
+    for path in files:
+        size = os.path.getsize(path)
+        ranges += [(path, start, min(start + range_bytes, size)) for start in range(0, size, range_bytes)]
+    return ranges
+
+
+def read_jsonl_range(path: str, start: int, end: int, keys: list[str]):
+    """{key: text or None} of each record whose line starts in bytes [start, end) of `path`.
+
+    Raises ValueError (or UnicodeDecodeError) at a malformed line; raise_first_bad_line names it.
+    """
+    with open(path, "rb") as f:
+        if start:
+            f.seek(start - 1)
+            f.readline()  # the rest of the line that byte start - 1 lies in belongs to the range before
+        position = f.tell()
+        while position < end:
+            line = f.readline()
+            if not line:
+                return
+            position += len(line)
+            if line.strip():
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}: a jsonl line must be an object")
+                yield {key: record.get(key) for key in keys}
+
+
+def raise_first_bad_line(path: str, kind: str) -> None:
     """Raise ValueError naming the first line of `path` that is not UTF-8 (or not JSON)."""
     if kind not in ("json", "text"):
         return

@@ -292,6 +292,16 @@ class IndexedDatasetBuilder:
         self._sequence_lengths.append(int(array.size))
         self._document_indices.append(len(self._sequence_lengths))
 
+    def add_documents(self, tokens: bytes, lengths: np.ndarray) -> None:
+        """Append documents given as their tokens back to back, already in this dtype, and their lengths."""
+        if len(tokens) != int(lengths.sum(dtype=np.int64)) * self.dtype.itemsize:
+            raise ValueError(f"{len(tokens)} bytes of tokens do not hold the {int(lengths.sum())} {self.dtype} "
+                             f"tokens of the given lengths")
+        self._bin.write(tokens)
+        first = len(self._sequence_lengths)
+        self._sequence_lengths.extend(lengths.tolist())
+        self._document_indices.extend(range(first + 1, len(self._sequence_lengths) + 1))
+
     def add_index(self, prefix: str) -> None:
         """Append every sequence and document of the dataset at `prefix` (to merge datasets)."""
         other = IndexedDataset(prefix)

@@ -1,10 +1,14 @@
 """Tokenizes a raw-text corpus into Megatron `.bin`/`.idx` files, in parallel worker processes.
 
-The parent reads documents in batches (through `datasets`), worker processes tokenize them,
-and the parent writes the results in input order, so the output is the same for any number of
-workers. Each --json-keys column becomes its own `PREFIX_KEY_document` dataset, as in Megatron.
+JSON lines: each worker reads, decodes and tokenizes a byte range of the input itself and sends
+back only the range's tokens as one bytes object and its document lengths, so that the parent,
+which shares the cores with the workers, does little more than append them to the `.bin`. Other
+formats: the parent reads documents in batches (through `datasets`) and sends them to the workers.
+Either way the parent writes the results in input order, so the output is the same for any number
+of workers. Each --json-keys column becomes its own `PREFIX_KEY_document` dataset, as in Megatron.
 """
 
+import array
 import collections
 import multiprocessing
 import sys
@@ -14,12 +18,26 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from megatron_lite.data.corpus import load_corpus
+from megatron_lite.data.corpus import (
+    check_jsonl_keys,
+    jsonl_files,
+    jsonl_ranges,
+    load_corpus,
+    raise_first_bad_line,
+    read_jsonl_range,
+)
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, check_dtype_holds, smallest_dtype
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.errors import DataError
 
 _BATCH_DOCUMENTS = 64
+
+# Bytes of JSON lines per worker task: small enough that the last tasks leave no worker idle for long
+# and a task's tokens are a few hundred kilobytes in memory, large enough that each costs one message.
+_RANGE_BYTES = 1 << 20
+
+# array.array type codes of the token dtypes: extending an array with an id it cannot hold raises.
+_TYPECODES = {np.dtype(np.uint8): "B", np.dtype(np.uint16): "H", np.dtype(np.int32): "i", np.dtype(np.int64): "q"}
 
 # Batches in flight per worker: enough to keep workers busy, few enough to bound memory.
 _BATCHES_IN_FLIGHT = 4
@@ -65,6 +83,39 @@ def _encode_batch(batch: dict[str, list]) -> dict[str, list[np.ndarray]]:
     return encoded
 
 
+@dataclass
+class EncodedRange:
+    """One key's documents from a byte range of JSON lines: tokens back to back, and their lengths."""
+
+    tokens: bytes
+    lengths: np.ndarray  # int32, one per document with text
+    empty_documents: int
+
+
+def _encode_range(task: tuple[str, int, int, list[str]]) -> dict[str, EncodedRange]:
+    """Read and tokenize the JSON lines that start in bytes [start, end) of a file, per key."""
+    path, start, end, keys = task
+    tokens = {key: array.array(_TYPECODES[_worker_dtype]) for key in keys}
+    lengths = {key: [] for key in keys}
+    empty = dict.fromkeys(keys, 0)
+    eod = [_worker_tokenizer.eod] if _worker_append_eod else []
+    for record in read_jsonl_range(path, start, end, keys):
+        for key in keys:
+            ids = _worker_tokenizer.tokenize(record[key]) if record[key] else []
+            if not ids:
+                empty[key] += 1
+                continue
+            try:
+                tokens[key].extend(ids)
+                tokens[key].extend(eod)
+            except OverflowError:
+                raise ValueError(f"token id {max(ids + eod)} does not fit dtype {_worker_dtype}; "
+                                 f"use a wider --dtype") from None
+            lengths[key].append(len(ids) + len(eod))
+    return {key: EncodedRange(tokens[key].tobytes(), np.array(lengths[key], dtype=np.int32), empty[key])
+            for key in keys}
+
+
 def preprocess(inputs: list[str], output_prefix: str, json_keys: list[str], tokenizer_type: str,
                tokenizer_model: str | None = None, vocab_size: int | None = None, append_eod: bool = False,
                workers: int = 1, dtype: str | None = None, cache_dir: str | None = None,
@@ -79,6 +130,9 @@ def preprocess(inputs: list[str], output_prefix: str, json_keys: list[str], toke
     _init_worker(tokenizer_args, append_eod, token_dtype)
     pool = _start_pool(workers, tokenizer_args, append_eod, token_dtype) if workers > 1 else None
     try:
+        files = jsonl_files(inputs)
+        if files is not None:
+            return _preprocess_jsonl(files, pool, output_prefix, json_keys, token_dtype, workers, progress)
         corpus = load_corpus(inputs, json_keys, cache_dir=cache_dir)
         batches = corpus.batches(json_keys, _BATCH_DOCUMENTS)
         results = map(_encode_batch, batches) if pool is None else _ordered_map(pool, batches, workers)
@@ -86,6 +140,21 @@ def preprocess(inputs: list[str], output_prefix: str, json_keys: list[str], toke
     finally:
         if pool is not None:
             pool.terminate()
+
+
+def _preprocess_jsonl(files: list[str], pool, output_prefix: str, json_keys: list[str], dtype: np.dtype,
+                      workers: int, progress: bool) -> dict[str, PreprocessStats]:
+    """Tokenize JSON lines, each worker reading its own byte ranges; a malformed line is named FILE:LINE."""
+    check_jsonl_keys(files, json_keys)
+    ranges = jsonl_ranges(files, _RANGE_BYTES)
+    tasks = ((path, start, end, json_keys) for path, start, end in ranges)
+    results = map(_encode_range, tasks) if pool is None else _ordered_map(pool, tasks, workers, _encode_range)
+    try:
+        return _write_ranges(results, output_prefix, json_keys, dtype, total=len(ranges), progress=progress)
+    except (ValueError, UnicodeDecodeError):
+        for path in files:
+            raise_first_bad_line(path, "json")
+        raise
 
 
 def _start_pool(workers: int, tokenizer_args: tuple, append_eod: bool, dtype: np.dtype):
@@ -98,15 +167,15 @@ def _start_pool(workers: int, tokenizer_args: tuple, append_eod: bool, dtype: np
     return context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_args, append_eod, dtype))
 
 
-def _ordered_map(pool, batches, workers: int):
-    """`pool.imap(_encode_batch, batches)` with a bounded number of batches read ahead.
+def _ordered_map(pool, batches, workers: int, function=_encode_batch):
+    """`pool.imap(function, batches)` with a bounded number of batches read ahead.
 
     imap reads its whole input as fast as it can; a corpus larger than memory needs the bound.
     """
     window = _BATCHES_IN_FLIGHT * workers
     pending = collections.deque()
     for batch in batches:
-        pending.append(pool.apply_async(_encode_batch, (batch,)))
+        pending.append(pool.apply_async(function, (batch,)))
         if len(pending) >= window:
             yield pending.popleft().get()
     while pending:
@@ -135,6 +204,30 @@ def _write(results, output_prefix: str, json_keys: list[str], dtype: np.dtype, t
                 bar.update(len(arrays))
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s",
                                     refresh=False)
+        _refuse_empty_outputs(stats)
+        for builder in builders.values():
+            builder.finalize()
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    return stats
+
+
+def _write_ranges(results, output_prefix: str, json_keys: list[str], dtype: np.dtype, total: int,
+                  progress: bool) -> dict[str, PreprocessStats]:
+    """Append each range's tokens to the datasets, in order; nothing is left behind on failure."""
+    stats = {key: PreprocessStats(output_prefix_for(output_prefix, key)) for key in json_keys}
+    builders = {key: IndexedDatasetBuilder(stats[key].prefix, dtype) for key in json_keys}
+    try:
+        with tqdm(total=total, unit="MiB", disable=not progress, desc="tokenizing") as bar:
+            for encoded in results:
+                for key, part in encoded.items():
+                    builders[key].add_documents(part.tokens, part.lengths)
+                    stats[key].documents += len(part.lengths)
+                    stats[key].empty_documents += part.empty_documents
+                    stats[key].tokens += len(part.tokens) // dtype.itemsize
+                bar.update(1)
         _refuse_empty_outputs(stats)
         for builder in builders.values():
             builder.finalize()
