@@ -6,7 +6,8 @@ forward + backward of one micro-batch of --seq-length tokens through a small Lla
   saved activations   bytes autograd keeps for backward, parameters excluded: what CP divides by cp
   peak step memory    growth of the process's peak RSS during the step (VmHWM reset before it; large
                       allocations go straight to mmap so freed memory is returned), which also counts
-                      transient buffers: score blocks, K/V in flight, the gathered K/V of allgather
+                      transient buffers: score blocks, K/V in flight, the gathered K/V of allgather, the
+                      whole-sequence q/k/v of a2a (for its nh/cp heads)
   step time           median wall time of forward + backward (communication included)
 
 CP 1 (single device, torch SDPA) is the peer: ratios are printed against it, and the figures appended
@@ -93,7 +94,7 @@ def main() -> None:
     values = {**MODEL, "seq_length": args.seq_length, "max_position_embeddings": args.seq_length}
     runs = []
     for cp in args.cp_sizes:
-        for comm_type in ("p2p", "allgather") if cp > 1 else ("none",):
+        for comm_type in ("p2p", "allgather", "a2a") if cp > 1 else ("none",):
             ranks = run_on_ranks(cp, measure, values, cp, comm_type, args.steps, timeout=600)
             runs.append({"cp": cp, "comm_type": comm_type,
                          "saved_activation_mb": max(r["saved_activation_bytes"] for r in ranks) / 2**20,

@@ -86,7 +86,6 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     cp_comm_type: str = "p2p"
-    hierarchical_context_parallel_sizes: list[int] = field(default_factory=list)  # for a2a+p2p (see _HELP)
     expert_model_parallel_size: int = 1
     use_distributed_optimizer: bool = False  # ZeRO-1 (optim), unless --data-parallel-sharding-strategy says more
     overlap_grad_reduce: bool = False
@@ -249,7 +248,7 @@ _CHOICES = {
     "normalization": ["LayerNorm", "RMSNorm"],
     "position_embedding_type": ["learned_absolute", "rope"],
     "moe_token_dispatcher_type": ["alltoall", "allgather"],
-    "cp_comm_type": ["p2p", "allgather"],
+    "cp_comm_type": ["p2p", "allgather", "a2a"],
     "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["linear", "cosine", "exponential", "minus_sqrt"],
@@ -277,10 +276,8 @@ _HELP = {
                                             "--num-layers-per-virtual-pipeline-stage it allows "
                                             "--decoder-first/last-pipeline-num-layers",
     "cp_comm_type": "context-parallel attention: p2p (ring of K/V), allgather (all K/V gathered), a2a "
-                    "(Ulysses: all-to-all from a sequence split to a head split and back), a2a+p2p (a2a inside "
-                    "groups of --hierarchical-context-parallel-sizes A, a ring across the B groups)",
-    "hierarchical_context_parallel_sizes": "A B, with A x B = context-parallel-size, for --cp-comm-type a2a+p2p: "
-                                           "a2a over A adjacent cp ranks, p2p over B",
+                    "(Ulysses: all-to-all from a sequence split to a head split and back; heads must divide by "
+                    "context-parallel-size)",
     # Model families (model/attention.py)
     "kv_channels": "the dimension of each attention head (Qwen3: 128 at hidden size 1024 with 16 heads); default: "
                    "hidden-size / num-attention-heads",

@@ -184,20 +184,13 @@ def _pipeline_split_problems(config: Config) -> list[str]:
 
 
 def _context_parallel_problems(config: Config) -> list[str]:
-    """The all-to-all modes split each tensor-parallel rank's heads over the a2a ranks: they must divide."""
+    """--cp-comm-type a2a splits each tensor-parallel rank's query heads over the cp ranks: they must divide."""
     m, p = config.model, config.parallel
-    cp, tp, sizes = p.context_parallel_size, p.tensor_model_parallel_size, p.hierarchical_context_parallel_sizes
-    if sizes and (len(sizes) != 2 or sizes[0] * sizes[1] != cp):
-        return [f"hierarchical-context-parallel-sizes {sizes} must be two sizes whose product is "
-                f"context-parallel-size ({cp})"]
-    if p.cp_comm_type == "a2a+p2p" and not sizes:
-        return ["--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B (A x B = "
-                "context-parallel-size)"]
-    a2a = cp if p.cp_comm_type == "a2a" else sizes[0] if p.cp_comm_type == "a2a+p2p" else 1
-    return [f"{name} per tensor-parallel rank ({count // tp}) must be divisible by the a2a context-parallel "
-            f"size ({a2a}) with --cp-comm-type {p.cp_comm_type}"
-            for name, count in (("num-attention-heads", m.num_attention_heads),
-                                ("num-query-groups", m.num_query_groups)) if (count // tp) % a2a]
+    cp, heads = p.context_parallel_size, m.num_attention_heads // p.tensor_model_parallel_size
+    if p.cp_comm_type != "a2a" or heads % cp == 0:
+        return []
+    return [f"num-attention-heads per tensor-parallel rank ({heads}) must be divisible by context-parallel-size "
+            f"({cp}) with --cp-comm-type a2a"]
 
 
 def _model_problems(config: Config) -> list[str]:

@@ -43,7 +43,8 @@ GPT2 = {**LLAMA, "model_preset": "gpt2-124m", "num_query_groups": None, "hidden_
 VALUES = {"llama": LLAMA, "gpt2": GPT2}
 BATCH, PADDED_VOCAB, SEED = 2, 512, 7
 MODEL_CASES = [("llama", 2, "p2p"), ("llama", 2, "allgather"), ("llama", 4, "p2p"), ("llama", 4, "allgather"),
-               ("gpt2", 2, "p2p")]  # (model, cp, --cp-comm-type)
+               ("gpt2", 2, "p2p"), ("llama", 2, "a2a"), ("llama", 4, "a2a"),
+               ("gpt2", 2, "a2a")]  # (model, cp, --cp-comm-type)
 
 
 def make_batch(seq_length: int) -> dict[str, torch.Tensor]:
@@ -261,6 +262,10 @@ def test_ring_attention_on_cpu_equals_causal_sdpa_without_score_tensors():
      "seq-length (100) must be divisible by 2 x context-parallel-size (8)"),
     (["--model-preset", "gpt2-124m", "--context-parallel-size", "2"],
      "attention-dropout (0.1) must be 0 with context-parallel-size > 1"),
+    (["--num-attention-heads", "6", "--hidden-size", "96", "--num-query-groups", "6", "--context-parallel-size", "4",
+      "--cp-comm-type", "a2a"],
+     "num-attention-heads per tensor-parallel rank (6) must be divisible by context-parallel-size (4) with "
+     "--cp-comm-type a2a"),
 ])
 def test_bad_cp_input_is_one_line_error(argv, expected, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -283,6 +288,7 @@ TRAIN = {**LLAMA, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 
          "lr_warmup_iters": 1, "eval_interval": 1000, "log_interval": 1000}
 LAYOUTS = {
     "cp2_tp2_sp": {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "cp2_dp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
     "cp2_dp2_allgather_recompute": {"context_parallel_size": 2, "cp_comm_type": "allgather",
                                     "recompute_granularity": "full"},
     "cp2_pp2": {"context_parallel_size": 2, "pipeline_model_parallel_size": 2},

@@ -23,6 +23,13 @@ gathered on every rank (small with GQA); each local query chunk attends to the p
 gradients to the owners. Simpler than the ring and as fast at small cp, but each rank briefly holds the
 sequence's K/V.
 
+All-to-all (--cp-comm-type a2a, DeepSpeed-Ulysses). An all-to-all turns the sequence split into a head split:
+each rank sends head group j of its chunks to rank j and receives the whole sequence for its own nh/cp heads,
+attends causally over it, and a second all-to-all sends each rank's tokens back with all their heads. Its traffic
+per rank falls with cp (each all-to-all moves (cp-1)/cp of the local q, k, v or output) where the ring's stays
+at the whole K/V; it needs the heads divisible by cp. K/V heads that do not divide are repeated to one per query
+head first (their gradients are summed back by autograd).
+
 Documents (--reset-attention-mask). A token attends only to earlier tokens of its own document. Document ids
 are nondecreasing along the sequence and a block's query and key rows are in sequence order, so within a block
 each document that both hold is one rectangle of query rows by key rows (a causal square on a diagonal block)
@@ -443,6 +450,60 @@ class AllGatherAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None
 
 
+# ---------------------------------------------------------------------------------------------------
+# All-to-all (Ulysses) attention
+
+
+def _sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[b, s/cp, n, d] of this rank's chunks -> [b, s, n/cp, d] in sequence order: head group j goes to rank j."""
+    b, local, n, d = x.shape
+    by_head_group = x.reshape(b, local, cp, n // cp, d).permute(2, 1, 0, 3, 4).flatten(0, 1)  # [cp*s/cp, b, n/cp, d]
+    received = mappings.all_to_all(by_head_group.contiguous(), group, [local] * cp, [local] * cp)  # rank order
+    return _chunks_to_sequence_order(received, cp).permute(1, 0, 2, 3)
+
+
+def _heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """Inverse of `_sequence_to_heads`: [b, s, n/cp, d] -> [b, s/cp, n, d] of this rank's chunks."""
+    b, seq_length, heads, d = x.shape
+    local = seq_length // cp
+    by_rank = _chunks_to_rank_order(x.permute(1, 0, 2, 3), cp)  # [cp*s/cp, b, n/cp, d]
+    received = mappings.all_to_all(by_rank.contiguous(), group, [local] * cp, [local] * cp)
+    return received.view(cp, local, b, heads, d).permute(2, 1, 0, 3, 4).reshape(b, local, cp * heads, d)
+
+
+class _CausalAttention(torch.autograd.Function):
+    """Causal attention of a whole sequence [b, s, nh, d] over k/v [b, s, ng, d] by the block kernel, within
+    documents when `document_ids` [b, s] are given: the local step of all-to-all attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, document_ids=None):
+        scale = q.shape[-1] ** -0.5
+        spans = _spans(document_ids, slice(None), slice(None))
+        out, lse = _empty_output(q)
+        _block_forward(kernel, q, k, v, out, lse, True, scale, spans)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.spans = kernel, spans
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+        _block_backward(ctx.kernel, dout, q, k, v, out, lse, grads, True, q.shape[-1] ** -0.5, ctx.spans)
+        return *(g.to(t.dtype) for g, t in zip(grads, (q, k, v))), None, None
+
+
+def all_to_all_attention(q, k, v, group, kernel, document_ids=None) -> torch.Tensor:
+    """q [b, s/cp, nh, d], k/v [b, s/cp, ng, d] (chunks i and 2cp-1-i) -> [b, s/cp, nh, d], heads split over
+    the cp group for the attention itself."""
+    cp = dist.get_world_size(group)
+    if k.shape[2] % cp:  # too few K/V heads to split: one per query head
+        k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
+    q, k, v = (_sequence_to_heads(t, group, cp) for t in (q, k, v))
+    return _heads_to_sequence(_CausalAttention.apply(q, k, v, kernel, document_ids), group, cp)
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
                                backend: str, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """q [s/cp, b, nh, d], k/v [s/cp, b, ng, d] of this rank's chunks -> [s/cp, b, nh * d], causal over the
@@ -450,6 +511,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     are given."""
     s, b = q.shape[:2]
     kernel = choose_block_kernel(backend, q.device, q.dtype)
-    attention = RingAttention if comm_type == "p2p" else AllGatherAttention
-    out = attention.apply(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), group, kernel, document_ids)
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    if comm_type == "a2a":
+        out = all_to_all_attention(q, k, v, group, kernel, document_ids)
+    else:
+        attention = RingAttention if comm_type == "p2p" else AllGatherAttention
+        out = attention.apply(q, k, v, group, kernel, document_ids)
     return out.transpose(0, 1).reshape(s, b, -1)  # [b, s/cp, nh, d] -> [s/cp, b, nh*d]
