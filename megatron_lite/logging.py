@@ -32,13 +32,14 @@ def training_flops_per_token(config: ModelConfig) -> float:
 
     Forward: 2 FLOPs per weight of every linear layer (QKV, attention output, MLP or the top-k experts a
     token visits, output layer) plus the attention scores and weighted sum, 2 * 2 * seq * hidden per
-    layer (the full square, as Megatron counts it). Backward costs twice the forward. Activation
+    layer (the full square, as Megatron counts it; heads x head size stands for hidden where --kv-channels
+    sets another head size). Backward costs twice the forward. Activation
     recomputation is not counted: it is work the hardware does, not work the model needs, so MFU stays
     comparable between runs with and without it.
     """
     h, s, L = config.hidden_size, config.seq_length, config.num_layers
-    kv = config.num_query_groups * config.head_dim
-    attention_weights = h * h + 2 * h * kv + h * h
+    q, kv = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
+    attention_weights = h * q + 2 * h * kv + q * h
     mlp_matrices = 3 if config.swiglu else 2
     dense_mlp = mlp_matrices * h * config.ffn_hidden_size
     if config.num_experts:
@@ -47,7 +48,7 @@ def training_flops_per_token(config: ModelConfig) -> float:
         mlp_weights = moe_layers * moe_mlp + (L - moe_layers) * dense_mlp
     else:
         mlp_weights = L * dense_mlp
-    forward = 2 * (L * attention_weights + mlp_weights + h * config.vocab_size) + L * 4 * s * h
+    forward = 2 * (L * attention_weights + mlp_weights + h * config.vocab_size) + L * 4 * s * q
     return forward * 3
 
 

@@ -19,16 +19,18 @@ def tiny(preset: str, **values):
                         "hidden_dropout": 0.0, "attention_dropout": 0.0, **values}).model
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-124m"])
-def test_flops_per_token_are_the_matmuls_torch_counts(preset):
-    m = tiny(preset)
+@pytest.mark.parametrize(("preset", "extra"), [("llama-tiny", {}), ("gpt2-124m", {}),
+                                             ("llama-tiny", {"kv_channels": 32, "qk_layernorm": True})])
+def test_flops_per_token_are_the_matmuls_torch_counts(preset, extra):
+    m = tiny(preset, **extra)
     model = GPTModel(m, ParallelState.single(), padded_vocab=VOCAB, seed=1)
     batch, seq = 2, m.seq_length
     ids = torch.randint(0, VOCAB, (batch, seq))
     with FlopCounterMode(display=False) as counter:
         model(ids, torch.arange(seq), labels=ids).float().sum().backward()
     counted = counter.get_total_flops() / (batch * seq)
-    attention_square = 3 * m.num_layers * 4 * seq * m.hidden_size  # QK^T and PV, forward + 2x backward
+    heads_width = m.num_attention_heads * m.head_dim  # the hidden size unless --kv-channels says otherwise
+    attention_square = 3 * m.num_layers * 4 * seq * heads_width  # QK^T and PV, forward + 2x backward
     attention_kernel_counted = any("attention" in str(op) for op in counter.get_flop_counts()["Global"])
     expected = counted if attention_kernel_counted else counted + attention_square
     assert training_flops_per_token(m) == pytest.approx(expected, rel=1e-12)

@@ -1,4 +1,4 @@
-"""Convert checkpoints between Hugging Face (llama, gpt2, mixtral) and megatron_lite, both ways.
+"""Convert checkpoints between Hugging Face (llama, qwen2, qwen3, gpt2, mixtral) and megatron_lite, both ways.
 
     python tools/convert_checkpoint.py --direction hf-to-mlite --load-dir hf/Llama-3.2-1B --save-dir ckpt/llama
     python tools/convert_checkpoint.py --direction mlite-to-hf --load-dir checkpoints/run1 --save-dir hf/run1
