@@ -177,7 +177,7 @@ class Checkpointer:
         metadata = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
                     "optimizer": optimizer_values,
                     "layout": {**dataclasses.asdict(self.pstate.layout),
-                               "vp": self.config.parallel.num_layers_per_virtual_pipeline_stage},
+                               "vp": self.config.virtual_pipeline_stages},
                     "rng_layout": tag, "config": self.config.to_dict(), "versions": _versions(),
                     "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         self.last_saved_iteration = iteration

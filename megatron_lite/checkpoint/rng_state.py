@@ -23,7 +23,7 @@ def layout_tag(config: Config, device: torch.device) -> str:
     p = config.parallel
     return (f"tp{p.tensor_model_parallel_size}_cp{p.context_parallel_size}_dp{p.data_parallel_size}_"
             f"pp{p.pipeline_model_parallel_size}_ep{p.expert_model_parallel_size}_"
-            f"vp{p.num_layers_per_virtual_pipeline_stage or 0}_{device.type}")
+            f"vp{config.virtual_pipeline_stages or 0}_{device.type}")
 
 
 def _rng_trackers(model: list) -> list:
