@@ -7,7 +7,7 @@ forward + backward of one micro-batch of --seq-length tokens through a small Lla
   peak step memory    growth of the process's peak RSS during the step (VmHWM reset before it; large
                       allocations go straight to mmap so freed memory is returned), which also counts
                       transient buffers: score blocks, K/V in flight, the gathered K/V of allgather, the
-                      whole-sequence q/k/v of a2a (for its nh/cp heads)
+                      whole-sequence q/k/v of a2a (for its nh/cp heads), a2a+p2p as 2 x cp/2
   step time           median wall time of forward + backward (communication included)
 
 CP 1 (single device, torch SDPA) is the peer: ratios are printed against it, and the figures appended
@@ -54,7 +54,8 @@ def _reset_peak_rss() -> int:
 
 def measure(values: dict, cp: int, comm_type: str, steps: int) -> dict:
     """One rank: forward + backward `steps` times after a warm-up; memory of the last step."""
-    pstate = ParallelState.build(Layout(cp=cp)) if cp > 1 else ParallelState.single()
+    hierarchical_cp = (2, cp // 2) if comm_type == "a2a+p2p" else None
+    pstate = ParallelState.build(Layout(cp=cp, hierarchical_cp=hierarchical_cp)) if cp > 1 else ParallelState.single()
     config = make_config(values).model
     model = GPTModel(config, pstate, padded_vocab=values["vocab_size"], seed=1, cp_comm_type=comm_type)
     seq = values["seq_length"]
@@ -85,6 +86,13 @@ def measure(values: dict, cp: int, comm_type: str, steps: int) -> dict:
             "step_time_s": statistics.median(times)}
 
 
+def _comm_types(cp: int) -> tuple[str, ...]:
+    """The --cp-comm-types to measure at `cp`; a2a+p2p as 2 x cp/2 once there are two groups of 2."""
+    if cp == 1:
+        return ("none",)
+    return ("p2p", "allgather", "a2a", "a2a+p2p") if cp >= 4 else ("p2p", "allgather", "a2a")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-length", type=int, default=4096)
@@ -94,7 +102,7 @@ def main() -> None:
     values = {**MODEL, "seq_length": args.seq_length, "max_position_embeddings": args.seq_length}
     runs = []
     for cp in args.cp_sizes:
-        for comm_type in ("p2p", "allgather", "a2a") if cp > 1 else ("none",):
+        for comm_type in _comm_types(cp):
             ranks = run_on_ranks(cp, measure, values, cp, comm_type, args.steps, timeout=600)
             runs.append({"cp": cp, "comm_type": comm_type,
                          "saved_activation_mb": max(r["saved_activation_bytes"] for r in ranks) / 2**20,

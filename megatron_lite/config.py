@@ -86,6 +86,7 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     cp_comm_type: str = "p2p"
+    hierarchical_context_parallel_sizes: list[int] | None = None  # A B with --cp-comm-type a2a+p2p (see _HELP)
     expert_model_parallel_size: int = 1
     use_distributed_optimizer: bool = False  # ZeRO-1 (optim), unless --data-parallel-sharding-strategy says more
     overlap_grad_reduce: bool = False
@@ -248,7 +249,7 @@ _CHOICES = {
     "normalization": ["LayerNorm", "RMSNorm"],
     "position_embedding_type": ["learned_absolute", "rope"],
     "moe_token_dispatcher_type": ["alltoall", "allgather"],
-    "cp_comm_type": ["p2p", "allgather", "a2a"],
+    "cp_comm_type": ["p2p", "allgather", "a2a", "a2a+p2p"],
     "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["linear", "cosine", "exponential", "minus_sqrt"],
@@ -261,7 +262,8 @@ _CHOICES = {
 }
 _DERIVED = {"data_parallel_size"}
 # Flags that take a fixed number of values, by the name of each value.
-_VALUE_NAMES = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES")}
+_VALUE_NAMES = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES"),
+                "hierarchical_context_parallel_sizes": ("A", "B")}
 # Flags whose default needs explaining.
 _HELP = {
     # Activation recomputation and layouts, with Megatron's meanings
@@ -277,7 +279,11 @@ _HELP = {
                                             "--decoder-first/last-pipeline-num-layers",
     "cp_comm_type": "context-parallel attention: p2p (ring of K/V), allgather (all K/V gathered), a2a "
                     "(Ulysses: all-to-all from a sequence split to a head split and back; heads must divide by "
-                    "context-parallel-size)",
+                    "context-parallel-size), a2a+p2p (a2a within groups of cp ranks, p2p across them: see "
+                    "--hierarchical-context-parallel-sizes)",
+    "hierarchical_context_parallel_sizes": "with --cp-comm-type a2a+p2p: A x B = context-parallel-size; each A "
+                                           "adjacent cp ranks exchange heads by all-to-all (heads must divide by "
+                                           "A), and K/V go around a ring of the B groups",
     # Model families (model/attention.py)
     "kv_channels": "the dimension of each attention head (Qwen3: 128 at hidden size 1024 with 16 heads); default: "
                    "hidden-size / num-attention-heads",

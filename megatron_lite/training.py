@@ -50,8 +50,10 @@ def initialize(config: Config) -> tuple[ParallelState, torch.device]:
     device = resolve_device(config.training.device)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     p = config.parallel
+    hierarchical_cp = p.hierarchical_context_parallel_sizes
     layout = Layout(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, dp=p.data_parallel_size,
-                    pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size)
+                    pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
+                    hierarchical_cp=tuple(hierarchical_cp) if hierarchical_cp else None)
     timeout = lifecycle.timeout_of(config.training.distributed_timeout_minutes)
     if world_size > 1:
         lifecycle.join(device, timeout)

@@ -184,13 +184,27 @@ def _pipeline_split_problems(config: Config) -> list[str]:
 
 
 def _context_parallel_problems(config: Config) -> list[str]:
-    """--cp-comm-type a2a splits each tensor-parallel rank's query heads over the cp ranks: they must divide."""
+    """--cp-comm-type a2a splits each tensor-parallel rank's query heads over the cp ranks, a2a+p2p over the A
+    ranks of --hierarchical-context-parallel-sizes A B (A x B = cp): they must divide."""
     m, p = config.model, config.parallel
     cp, heads = p.context_parallel_size, m.num_attention_heads // p.tensor_model_parallel_size
-    if p.cp_comm_type != "a2a" or heads % cp == 0:
-        return []
-    return [f"num-attention-heads per tensor-parallel rank ({heads}) must be divisible by context-parallel-size "
-            f"({cp}) with --cp-comm-type a2a"]
+    sizes = p.hierarchical_context_parallel_sizes
+    if p.cp_comm_type != "a2a+p2p":
+        if sizes is not None:
+            return [f"--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p, not {p.cp_comm_type}"]
+        if p.cp_comm_type != "a2a" or heads % cp == 0:
+            return []
+        return [f"num-attention-heads per tensor-parallel rank ({heads}) must be divisible by context-parallel-size "
+                f"({cp}) with --cp-comm-type a2a"]
+    if sizes is None:
+        return ["--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B"]
+    a2a, p2p = sizes
+    if a2a < 1 or p2p < 1 or a2a * p2p != cp:
+        return [f"hierarchical-context-parallel-sizes A x B ({a2a} x {p2p}) must equal context-parallel-size ({cp})"]
+    if heads % a2a:
+        return [f"num-attention-heads per tensor-parallel rank ({heads}) must be divisible by the a2a size A "
+                f"({a2a}) of --hierarchical-context-parallel-sizes"]
+    return []
 
 
 def _model_problems(config: Config) -> list[str]:

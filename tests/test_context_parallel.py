@@ -1,11 +1,12 @@
-"""Context parallelism: CP 2 and 4, ring (p2p) and all-gather, equal the single-device model.
+"""Context parallelism: CP 2 and 4, every --cp-comm-type, equal the single-device model.
 
-One call on a 4-rank world runs every model case (CP2 x DP2 and CP4, both comm types, Llama with GQA and
+One call on a 4-rank world runs every model case (CP2 x DP2 and CP4, each comm type, Llama with GQA and
 RoPE and GPT-2 with learned positions) and returns each rank's logits and per-token losses for its
 positions and the gradients summed over the cp group; the pytest process puts the sequence back together
 and compares with the single-device model built from the same seed. Ring attention alone (CP4, torch's CPU
 flash kernel) equals causal SDPA on the whole sequence and creates no tensor the size of a block of scores.
-Training runs CP2 with TP2 + SP, DP2 (all-gather, full recomputation) and PP2 for 10 steps against one process.
+Training runs CP2 with TP2 + SP, DP2 (all-gather, full recomputation) and PP2, and CP4 a2a+p2p as 2 x 2, for 10
+steps against one process.
 """
 
 import functools
@@ -44,7 +45,7 @@ VALUES = {"llama": LLAMA, "gpt2": GPT2}
 BATCH, PADDED_VOCAB, SEED = 2, 512, 7
 MODEL_CASES = [("llama", 2, "p2p"), ("llama", 2, "allgather"), ("llama", 4, "p2p"), ("llama", 4, "allgather"),
                ("gpt2", 2, "p2p"), ("llama", 2, "a2a"), ("llama", 4, "a2a"),
-               ("gpt2", 2, "a2a")]  # (model, cp, --cp-comm-type)
+               ("gpt2", 2, "a2a"), ("llama", 4, "a2a+p2p")]  # (model, cp, --cp-comm-type); a2a+p2p: A 2 x B cp/2
 
 
 def make_batch(seq_length: int) -> dict[str, torch.Tensor]:
@@ -93,7 +94,8 @@ def build(name: str, pstate: ParallelState, comm_type: str = "p2p") -> GPTModel:
 def cp_model_cases(cases):
     results = []
     for name, cp, comm_type in cases:
-        pstate = ParallelState.build(Layout(cp=cp, dp=4 // cp))
+        hierarchical_cp = (2, cp // 2) if comm_type == "a2a+p2p" else None
+        pstate = ParallelState.build(Layout(cp=cp, dp=4 // cp, hierarchical_cp=hierarchical_cp))
         batch = get_batch_on_this_cp_rank(make_batch(VALUES[name]["seq_length"]), pstate)
         result = run_model(build(name, pstate, comm_type), batch)
         for grad in result["grads"].values():
@@ -266,6 +268,15 @@ def test_ring_attention_on_cpu_equals_causal_sdpa_without_score_tensors():
       "--cp-comm-type", "a2a"],
      "num-attention-heads per tensor-parallel rank (6) must be divisible by context-parallel-size (4) with "
      "--cp-comm-type a2a"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "3"],
+     "hierarchical-context-parallel-sizes A x B (2 x 3) must equal context-parallel-size (4)"),
+    (["--num-attention-heads", "6", "--hidden-size", "96", "--num-query-groups", "6", "--context-parallel-size", "4",
+      "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "1"],
+     "num-attention-heads per tensor-parallel rank (6) must be divisible by the a2a size A (4)"),
+    (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"],
+     "--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p, not p2p"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"],
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B"),
 ])
 def test_bad_cp_input_is_one_line_error(argv, expected, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -292,6 +303,8 @@ LAYOUTS = {
     "cp2_dp2_allgather_recompute": {"context_parallel_size": 2, "cp_comm_type": "allgather",
                                     "recompute_granularity": "full"},
     "cp2_pp2": {"context_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    "cp4_a2a_p2p_2x2": {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
+                        "hierarchical_context_parallel_sizes": [2, 2]},
 }
 
 
@@ -305,7 +318,7 @@ def train_layouts(layouts: dict) -> dict:
     return {name: train({**TRAIN, **extra}, 4) for name, extra in layouts.items()}
 
 
-def test_cp2_with_tp2_sp_dp2_pp2_trains_as_one_process():
+def test_cp_with_tp2_sp_dp2_pp2_and_a2a_p2p_trains_as_one_process():
     reference = train(TRAIN, 1)
     per_rank = run_on_ranks(4, train_layouts, LAYOUTS)
     for name in LAYOUTS:

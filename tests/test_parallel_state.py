@@ -59,6 +59,18 @@ def test_known_layout_matches_megatron_order():
     assert group_ranks(expert, "expert_dp") == [[0, 2], [1, 3]]
 
 
+def test_hierarchical_cp_groups_split_each_cp_group():
+    """cp 4 as 2 x 2 with tp 2: a2a groups are 2 adjacent cp ranks, p2p groups the cp ranks 2 apart."""
+    layout = Layout(tp=2, cp=4, dp=1, pp=2, hierarchical_cp=(2, 2))
+    assert group_ranks(layout, "cp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert group_ranks(layout, "cp_a2a") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert group_ranks(layout, "cp_p2p") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert group_ranks(Layout(cp=8, hierarchical_cp=(4, 2)), "cp_p2p") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert group_ranks(Layout(cp=8, hierarchical_cp=(2, 4)), "cp_p2p") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    with pytest.raises(ValueError, match="must multiply to context-parallel-size"):
+        Layout(cp=4, hierarchical_cp=(2, 3))
+
+
 def test_bad_layouts_are_rejected():
     with pytest.raises(ValueError, match="expert-model-parallel-size"):
         Layout(dp=3, ep=2)

@@ -204,7 +204,8 @@ class CoreAttention(torch.nn.Module):
     spans the whole group's sequence (model/context_parallel.py; `cp_comm_type` is --cp-comm-type).
     """
 
-    def __init__(self, dropout: float, backend: str, rng_tracker: RNGTracker | None, cp_group=None):
+    def __init__(self, dropout: float, backend: str, rng_tracker: RNGTracker | None, cp_group=None,
+                 hierarchical_cp_groups: tuple | None = None):
         super().__init__()
         if cp_group is not None and dropout > 0:
             raise ValueError("attention dropout is not supported with context parallelism; set it to 0")
@@ -212,6 +213,7 @@ class CoreAttention(torch.nn.Module):
         self.backend = backend
         self.rng_tracker = rng_tracker
         self.cp_group = cp_group
+        self.hierarchical_cp_groups = hierarchical_cp_groups  # (a2a, p2p) subgroups of cp, for a2a+p2p
         self.cp_comm_type = "p2p"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -219,7 +221,8 @@ class CoreAttention(torch.nn.Module):
         """q [s, b, nh, d], k/v [s, b, ng, d] -> [s, b, nh * d]."""
         if self.cp_group is not None:
             return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self.backend,
-                                              documents.ids if documents is not None else None)
+                                              documents.ids if documents is not None else None,
+                                              self.hierarchical_cp_groups)
         s, b = q.shape[:2]
         dropout = self.dropout if self.training else 0.0
         if self.backend == "flash" and documents is None:  # documents: validation refuses flash-attn (no varlen)
@@ -311,7 +314,8 @@ class SelfAttention(torch.nn.Module):
             self.q_layernorm, self.k_layernorm = HeadNorm(config, pstate.tp_size), HeadNorm(config, pstate.tp_size)
         else:
             self.q_layernorm = self.k_layernorm = None
-        self.core_attention = CoreAttention(config.attention_dropout, backend, rng_tracker, pstate.group("cp"))
+        self.core_attention = CoreAttention(config.attention_dropout, backend, rng_tracker, pstate.group("cp"),
+                                            (pstate.group("cp_a2a"), pstate.group("cp_p2p")))
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              pstate, bias=bias, sequence_parallel=sequence_parallel)
         self.recompute_core_attention = False

@@ -30,6 +30,13 @@ per rank falls with cp (each all-to-all moves (cp-1)/cp of the local q, k, v or 
 at the whole K/V; it needs the heads divisible by cp. K/V heads that do not divide are repeated to one per query
 head first (their gradients are summed back by autograd).
 
+All-to-all within groups, ring across them (--cp-comm-type a2a+p2p, --hierarchical-context-parallel-sizes A B,
+cp = A x B). Cp ranks gA..gA+A-1 form a2a group g; their chunks gA..gA+A-1 and 2cp-A-gA..2cp-1-gA are
+exactly chunks g and 2B-1-g of the sequence cut in 2B. So the all-to-all above, within the a2a group, leaves
+each rank with the load-balanced share of ring rank g for cp B, for nh/A heads, and ring attention runs over
+the B ranks that hold the same heads (the p2p group). The all-to-all stays within A adjacent ranks (a node's
+fast links, when A fits in one); only the ring crosses between groups.
+
 Documents (--reset-attention-mask). A token attends only to earlier tokens of its own document. Document ids
 are nondecreasing along the sequence and a block's query and key rows are in sequence order, so within a block
 each document that both hold is one rectangle of query rows by key rows (a causal square on a diagonal block)
@@ -494,26 +501,35 @@ class _CausalAttention(torch.autograd.Function):
         return *(g.to(t.dtype) for g, t in zip(grads, (q, k, v))), None, None
 
 
-def all_to_all_attention(q, k, v, group, kernel, document_ids=None) -> torch.Tensor:
+def all_to_all_attention(q, k, v, group, kernel, document_ids=None, ring_group=None) -> torch.Tensor:
     """q [b, s/cp, nh, d], k/v [b, s/cp, ng, d] (chunks i and 2cp-1-i) -> [b, s/cp, nh, d], heads split over
-    the cp group for the attention itself."""
-    cp = dist.get_world_size(group)
-    if k.shape[2] % cp:  # too few K/V heads to split: one per query head
+    `group` for the attention itself; with a `ring_group` (a2a+p2p) the attention of those heads goes around
+    it. Either group may be None (size 1)."""
+    a2a = 1 if group is None else dist.get_world_size(group)
+    if k.shape[2] % a2a:  # too few K/V heads to split: one per query head
         k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
-    q, k, v = (_sequence_to_heads(t, group, cp) for t in (q, k, v))
-    return _heads_to_sequence(_CausalAttention.apply(q, k, v, kernel, document_ids), group, cp)
+    q, k, v = (_sequence_to_heads(t, group, a2a) for t in (q, k, v))  # [b, s*A/cp, nh/A, d]
+    if ring_group is None:
+        out = _CausalAttention.apply(q, k, v, kernel, document_ids)
+    else:
+        out = RingAttention.apply(q, k, v, ring_group, kernel, document_ids)
+    return _heads_to_sequence(out, group, a2a)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
-                               backend: str, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                               backend: str, document_ids: torch.Tensor | None = None,
+                               hierarchical_groups: tuple | None = None) -> torch.Tensor:
     """q [s/cp, b, nh, d], k/v [s/cp, b, ng, d] of this rank's chunks -> [s/cp, b, nh * d], causal over the
     whole sequence of the cp group; within documents only when `document_ids` [b, s] (host, whole sequence)
-    are given."""
+    are given. a2a+p2p uses the cp group's (a2a, p2p) subgroups, `hierarchical_groups`, instead of `group`."""
     s, b = q.shape[:2]
     kernel = choose_block_kernel(backend, q.device, q.dtype)
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     if comm_type == "a2a":
         out = all_to_all_attention(q, k, v, group, kernel, document_ids)
+    elif comm_type == "a2a+p2p":
+        a2a_group, p2p_group = hierarchical_groups
+        out = all_to_all_attention(q, k, v, a2a_group, kernel, document_ids, ring_group=p2p_group)
     else:
         attention = RingAttention if comm_type == "p2p" else AllGatherAttention
         out = attention.apply(q, k, v, group, kernel, document_ids)

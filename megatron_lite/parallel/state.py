@@ -8,6 +8,8 @@ apart. Expert layers regroup the DP x CP ranks of a stage: EP ranks vary fastest
 Groups, and what each is for:
   tp          tensor-parallel shards of one layer (all-reduce / all-gather / reduce-scatter activations)
   cp          context-parallel shards of the sequence (ring attention)
+  cp_a2a      with hierarchical cp A x B: A consecutive cp ranks that exchange heads by all-to-all
+  cp_p2p      with hierarchical cp A x B: the B cp ranks at one place in their a2a groups (K/V ring)
   dp          data-parallel replicas (with cp=1, where non-expert gradients are reduced)
   dp_cp       data x context parallel: where non-expert gradients are reduced, the optimizer sharded
   pp          the pipeline stages holding one model replica (send/recv activations)
@@ -33,13 +35,16 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees of parallelism. `dp` is the data-parallel size of the dense (non-expert) layers."""
+    """Degrees of parallelism. `dp` is the data-parallel size of the dense (non-expert) layers;
+    `hierarchical_cp` (A, B) splits cp = A x B into a2a groups of A consecutive cp ranks and p2p groups across
+    them (--hierarchical-context-parallel-sizes)."""
 
     tp: int = 1
     cp: int = 1
     dp: int = 1
     pp: int = 1
     ep: int = 1
+    hierarchical_cp: tuple[int, int] | None = None
 
     def __post_init__(self):
         for name in ("tp", "cp", "dp", "pp", "ep"):
@@ -48,6 +53,9 @@ class Layout:
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"expert-model-parallel-size ({self.ep}) must divide data-parallel x "
                              f"context-parallel size ({self.dp} x {self.cp})")
+        if self.hierarchical_cp is not None and self.hierarchical_cp[0] * self.hierarchical_cp[1] != self.cp:
+            raise ValueError(f"hierarchical-context-parallel-sizes {self.hierarchical_cp} must multiply to "
+                             f"context-parallel-size ({self.cp})")
 
     @property
     def world_size(self) -> int:
@@ -104,13 +112,16 @@ def group_ranks(layout: Layout, kind: str) -> list[list[int]]:
     members: dict[tuple, list[int]] = {}
     for rank in range(layout.world_size):
         c = rank_coordinates(rank, layout)
-        key = _group_key(c, kind)
+        key = _group_key(c, kind, layout)
         members.setdefault(key, []).append(rank)
     return list(members.values())
 
 
-def _group_key(c: Coordinates, kind: str) -> tuple:
+def _group_key(c: Coordinates, kind: str, layout: Layout) -> tuple:
     """Ranks in the same group share every coordinate except the ones the group spans."""
+    if kind in ("cp_a2a", "cp_p2p"):  # cp index = a2a group x A + place in it
+        a2a = layout.hierarchical_cp[0]
+        return c.tp, c.dp, c.pp, c.cp // a2a if kind == "cp_a2a" else c.cp % a2a
     spans = {
         "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp"),
         "model_parallel": ("tp", "pp"), "ep": ("ep",), "expert_dp": ("edp",),
@@ -127,6 +138,7 @@ def embedding_group_ranks(layout: Layout) -> list[list[int]]:
 
 
 _GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "model_parallel", "ep", "expert_dp")
+_HIERARCHICAL_CP_KINDS = ("cp_a2a", "cp_p2p")
 
 
 class ParallelState:
@@ -152,6 +164,9 @@ class ParallelState:
         groups: dict[str, dist.ProcessGroup | None] = {}
         for kind in _GROUP_KINDS:
             groups[kind] = _new_groups_containing(rank, group_ranks(layout, kind), timeout)
+        for kind in _HIERARCHICAL_CP_KINDS:
+            groups[kind] = (_new_groups_containing(rank, group_ranks(layout, kind), timeout)
+                            if layout.hierarchical_cp else None)
         groups["embedding"] = _new_groups_containing(rank, embedding_group_ranks(layout), timeout)
         groups["world"] = dist.group.WORLD if world > 1 else None
         pp_ranks = next(r for r in group_ranks(layout, "pp") if rank in r)
@@ -160,7 +175,7 @@ class ParallelState:
     @classmethod
     def single(cls) -> ParallelState:
         """A layout of one rank with no process groups: the single-device reference."""
-        return cls(Layout(), 0, dict.fromkeys((*_GROUP_KINDS, "embedding", "world")), [0])
+        return cls(Layout(), 0, dict.fromkeys((*_GROUP_KINDS, *_HIERARCHICAL_CP_KINDS, "embedding", "world")), [0])
 
     def group(self, kind: str) -> dist.ProcessGroup | None:
         """The group of `kind` holding this rank (None when the layout has no such parallelism)."""
