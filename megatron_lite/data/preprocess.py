@@ -10,6 +10,7 @@ of workers. Each --json-keys column becomes its own `PREFIX_KEY_document` datase
 
 import array
 import collections
+import contextlib
 import multiprocessing
 import sys
 import time
@@ -182,28 +183,14 @@ def _ordered_map(pool, batches, workers: int, function=_encode_batch):
         yield pending.popleft().get()
 
 
-def _write(results, output_prefix: str, json_keys: list[str], dtype: np.dtype, total: int,
-           progress: bool) -> dict[str, PreprocessStats]:
-    """Append each encoded batch to the datasets, in order; nothing is left behind on failure."""
+@contextlib.contextmanager
+def _datasets(output_prefix: str, json_keys: list[str], dtype: np.dtype):
+    """The stats and builders of one dataset per json key, finalized when the block ends well; on any
+    failure (an empty output included) every partial file is removed, so nothing is left behind."""
     stats = {key: PreprocessStats(output_prefix_for(output_prefix, key)) for key in json_keys}
     builders = {key: IndexedDatasetBuilder(stats[key].prefix, dtype) for key in json_keys}
-    start = time.perf_counter()
-    tokens = 0
     try:
-        with tqdm(total=total, unit="doc", disable=not progress, desc="tokenizing") as bar:
-            for encoded in results:
-                for key, arrays in encoded.items():
-                    for array in arrays:
-                        if array.size == 0:
-                            stats[key].empty_documents += 1
-                            continue
-                        builders[key].add_document(array)
-                        stats[key].documents += 1
-                        stats[key].tokens += array.size
-                        tokens += array.size
-                bar.update(len(arrays))
-                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s",
-                                    refresh=False)
+        yield stats, builders
         _refuse_empty_outputs(stats)
         for builder in builders.values():
             builder.finalize()
@@ -211,30 +198,42 @@ def _write(results, output_prefix: str, json_keys: list[str], dtype: np.dtype, t
         for builder in builders.values():
             builder.abort()
         raise
+
+
+def _write(results, output_prefix: str, json_keys: list[str], dtype: np.dtype, total: int,
+           progress: bool) -> dict[str, PreprocessStats]:
+    """Append each encoded batch to the datasets, in order."""
+    start = time.perf_counter()
+    tokens = 0
+    with _datasets(output_prefix, json_keys, dtype) as (stats, builders), \
+            tqdm(total=total, unit="doc", disable=not progress, desc="tokenizing") as bar:
+        for encoded in results:
+            for key, arrays in encoded.items():
+                for array in arrays:
+                    if array.size == 0:
+                        stats[key].empty_documents += 1
+                        continue
+                    builders[key].add_document(array)
+                    stats[key].documents += 1
+                    stats[key].tokens += array.size
+                    tokens += array.size
+            bar.update(len(arrays))
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s", refresh=False)
     return stats
 
 
 def _write_ranges(results, output_prefix: str, json_keys: list[str], dtype: np.dtype, total: int,
                   progress: bool) -> dict[str, PreprocessStats]:
-    """Append each range's tokens to the datasets, in order; nothing is left behind on failure."""
-    stats = {key: PreprocessStats(output_prefix_for(output_prefix, key)) for key in json_keys}
-    builders = {key: IndexedDatasetBuilder(stats[key].prefix, dtype) for key in json_keys}
-    try:
-        with tqdm(total=total, unit="MiB", disable=not progress, desc="tokenizing") as bar:
-            for encoded in results:
-                for key, part in encoded.items():
-                    builders[key].add_documents(part.tokens, part.lengths)
-                    stats[key].documents += len(part.lengths)
-                    stats[key].empty_documents += part.empty_documents
-                    stats[key].tokens += len(part.tokens) // dtype.itemsize
-                bar.update(1)
-        _refuse_empty_outputs(stats)
-        for builder in builders.values():
-            builder.finalize()
-    except BaseException:
-        for builder in builders.values():
-            builder.abort()
-        raise
+    """Append each range's tokens to the datasets, in order."""
+    with _datasets(output_prefix, json_keys, dtype) as (stats, builders), \
+            tqdm(total=total, unit="MiB", disable=not progress, desc="tokenizing") as bar:
+        for encoded in results:
+            for key, part in encoded.items():
+                builders[key].add_documents(part.tokens, part.lengths)
+                stats[key].documents += len(part.lengths)
+                stats[key].empty_documents += part.empty_documents
+                stats[key].tokens += len(part.tokens) // dtype.itemsize
+            bar.update(1)
     return stats
 
 
