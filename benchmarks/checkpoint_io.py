@@ -102,7 +102,9 @@ def _rank_main(rank: int, init_file: str, values: dict, results) -> None:
     figures = {"parameters": sum(p.numel() for chunk in model for p in chunk.module.parameters())}
 
     sync = Checkpointer(config, pstate, device)
-    async_config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, async_save=True))
+    async_root = f"{root}_async"  # a directory of its own: one run (here one Checkpointer) per save directory
+    async_config = dataclasses.replace(config, checkpoint=dataclasses.replace(
+        config.checkpoint, async_save=True, save=async_root, load=async_root))
     background = Checkpointer(async_config, pstate, device)
     state = _flat_state(model, optimizer)
     single_file = f"{os.path.dirname(root)}/single_file.pt"
@@ -124,7 +126,7 @@ def _rank_main(rank: int, init_file: str, values: dict, results) -> None:
     figures["dcp_async_blocked_s"] = times["dcp_async_blocked_s"][-1]
     figures["dcp_async_first_blocked_s"] = times["dcp_async_blocked_s"][0]
     figures["all_rounds"] = dict(times)
-    figures["dcp_bytes"] = stored_bytes(SafeFileSystemReader(directory.checkpoint_path(root, 2)).read_metadata())
+    figures["dcp_bytes"] = stored_bytes(SafeFileSystemReader(directory.checkpoint_path(async_root, 2)).read_metadata())
     figures["torch_save_bytes"] = os.path.getsize(single_file)
     if rank == 0:
         results.put(figures)
