@@ -1,8 +1,8 @@
 """Joining and leaving the default process group: timeouts, a start-up barrier, a deterministic teardown.
 
 Joining: every group gets `--distributed-timeout-minutes` (torch's default is 30 minutes, and subgroups
-do not inherit the default group's), so a stuck rank ends the run instead of stalling it. Before the first
-step a monitored barrier names the ranks that never finished starting up.
+do not inherit the default group's), so a stuck rank ends the run instead of stalling it. Ranks that never
+join the process group, and, before the first step, ranks that never finish starting up, are named.
 
 Leaving: gloo's worker threads may hold the last reference to a finished collective's work object; if
 they drop it while the interpreter finalizes, the process aborts ("terminate called without an active
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import os
 import re
 
 import torch
@@ -27,17 +28,59 @@ class CollectiveTimeoutError(UserError, RuntimeError):
     """A collective or the start-up barrier waited longer than --distributed-timeout-minutes."""
 
 
+class PeerLostError(UserError, RuntimeError):
+    """Another rank closed its connections during a collective: it died, and its own log says why."""
+
+
 def timeout_of(minutes: float) -> datetime.timedelta:
     return datetime.timedelta(minutes=minutes)
 
 
 def join(device: torch.device, timeout: datetime.timedelta) -> None:
-    """Join the process group torchrun describes, unless this process is already in one."""
+    """Join the process group the launcher describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), unless this
+    process is already in one.
+
+    Every rank first records its arrival in the store and waits there for the others: a rank that never
+    starts (a GPU that hangs, an import stuck on a file system) is then named, where torch's own env://
+    set-up would time out counting clients or naming a store key."""
     if dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = _store(rank, world_size, timeout)
+    _wait_for_every_rank(store, rank, world_size, timeout)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=timeout)
+
+
+def _store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The env:// store: torchrun's agent hosts it when it says so (TORCHELASTIC_USE_AGENT_STORE), else rank 0.
+    Its host does not wait for the others to connect: `_wait_for_every_rank` does, and names the missing."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise UserError(f"WORLD_SIZE is {world_size} but MASTER_ADDR and MASTER_PORT are not both set: launch with "
+                        f"torchrun, or set them to rank 0's host and a free port")
+    is_host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        return dist.TCPStore(host, int(port), world_size, is_host, timeout, wait_for_workers=False)
+    except RuntimeError as error:  # nobody answered at host:port
+        if is_host or not _is_timeout(error):
+            raise
+        raise CollectiveTimeoutError(f"rank(s) 0 did not join the process group within {_minutes(timeout)} "
+                                     f"(--distributed-timeout-minutes): it is stuck or dead, or MASTER_ADDR:"
+                                     f"MASTER_PORT ({host}:{port}) is not where it listens") from error
+
+
+def _wait_for_every_rank(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    keys = [f"megatron_lite/arrived/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as error:
+        missing = ", ".join(str(r) for r, key in enumerate(keys) if not store.check([key]))
+        raise CollectiveTimeoutError(f"rank(s) {missing} did not join the process group within {_minutes(timeout)} "
+                                     f"(--distributed-timeout-minutes): they are stuck or dead") from error
 
 
 def startup_barrier(timeout: datetime.timedelta) -> None:
@@ -60,11 +103,19 @@ def startup_barrier(timeout: datetime.timedelta) -> None:
 def as_timeout_error(error: BaseException, timeout_minutes: float) -> CollectiveTimeoutError | None:
     """The one-line form of a backend's collective timeout, or None for any other error."""
     text = str(error)
-    if not isinstance(error, RuntimeError) or not re.search(r"[Tt]imed out|[Tt]imeout", text):
+    if not _is_timeout(error):
         return None
     return CollectiveTimeoutError(
         f"a collective waited longer than {timeout_minutes:g} min (--distributed-timeout-minutes): another rank "
         f"is stuck or dead ({text.splitlines()[0][-160:]})")
+
+
+def as_peer_lost_error(error: BaseException) -> PeerLostError | None:
+    """The one-line form of gloo's error when the rank at the other end of a collective died, or None."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or not re.search(r"Connection (reset|closed) by peer", text):
+        return None
+    return PeerLostError(f"another rank died during a collective ({text.splitlines()[0][-160:]})")
 
 
 def shutdown(owns_default_group: bool) -> None:
@@ -76,6 +127,10 @@ def shutdown(owns_default_group: bool) -> None:
     if owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+def _is_timeout(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and re.search(r"[Tt]imed out|[Tt]imeout", str(error)) is not None
 
 
 def _minutes(timeout: datetime.timedelta) -> str:
