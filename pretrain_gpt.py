@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from megatron_lite.config import Config, ConfigError, parse_config
 from megatron_lite.errors import UserError, debug_requested, report
+from megatron_lite.parallel.launcher import adopt_slurm_environment, exit_with_launcher, warn_of_restart_hazard
 
 if TYPE_CHECKING:
     import torch
@@ -63,13 +64,19 @@ def forward_step(data_iterator, model):
 
 
 def main(argv: list[str] | None = None) -> int:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     debug = debug_requested(argv)
+    try:
+        adopt_slurm_environment(os.environ)  # before anything reads RANK, WORLD_SIZE or LOCAL_RANK
+    except UserError as error:
+        return _fail(error, debug, world_size=1, status=2)
+    exit_with_launcher(os.environ)
+    warn_of_restart_hazard(os.environ)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = parse_config(argv, world_size)
     except ConfigError as error:
         return _fail(error, debug, world_size, status=2)
-    from megatron_lite.parallel.lifecycle import as_timeout_error
+    from megatron_lite.parallel.lifecycle import as_peer_lost_error, as_timeout_error
     from megatron_lite.training import pretrain
 
     debug = debug or config.logging.debug
@@ -77,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         pretrain(config, model_provider, forward_step)
     except UserError as error:
         return _fail(error, debug, world_size)
-    except RuntimeError as error:
-        timeout = as_timeout_error(error, config.training.distributed_timeout_minutes)
-        if timeout is None:
+    except RuntimeError as error:  # a stuck or dead rank, when it is one
+        known = as_timeout_error(error, config.training.distributed_timeout_minutes) or as_peer_lost_error(error)
+        if known is None:
             raise
-        return _fail(timeout, debug, world_size)
+        return _fail(known, debug, world_size)
     return 0
 
 
