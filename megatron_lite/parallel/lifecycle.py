@@ -111,11 +111,12 @@ def as_timeout_error(error: BaseException, timeout_minutes: float) -> Collective
 
 
 def as_peer_lost_error(error: BaseException) -> PeerLostError | None:
-    """The one-line form of gloo's error when the rank at the other end of a collective died, or None."""
-    text = str(error)
-    if not isinstance(error, RuntimeError) or not re.search(r"Connection (reset|closed) by peer", text):
+    """The one-line form of gloo's error when the rank at the other end of a collective died (with that rank's
+    address), or None."""
+    lost = re.search(r"(\[[^\]]*\]:\d+: )?Connection (reset|closed) by peer( \[[^\]]*\]:\d+)?", str(error))
+    if not isinstance(error, RuntimeError) or lost is None:
         return None
-    return PeerLostError(f"another rank died during a collective ({text.splitlines()[0][-160:]})")
+    return PeerLostError(f"another rank died during a collective ({lost.group(0)})")
 
 
 def shutdown(owns_default_group: bool) -> None:
