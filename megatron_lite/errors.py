@@ -35,4 +35,5 @@ def report(error: BaseException, debug: bool = False) -> None:
         traceback.print_exception(error)
     rank = os.environ.get("RANK", "0")
     message = " ".join(str(error).split("\n"))
-    print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"error (rank {rank}): {message}\n")  # one write: ranks share the terminal, lines stay whole
+    sys.stderr.flush()
