@@ -140,9 +140,7 @@ def test_local_experts_carry_global_names_and_single_device_weights():
                       mlp_factory=moe_mlp_factory(config, ParallelState.single()))
     reference = dict(single.named_global_parameters())
     assert {n for n in reference if ".mlp.router." in n} == {f"decoder.layers.{n}.mlp.router.weight" for n in (0, 2)}
-    no_groups = dict.fromkeys(("tp", "cp", "dp", "dp_cp", "pp", "model_parallel", "ep", "expert_dp", "embedding",
-                               "world"))
-    ep_rank_1 = ParallelState(Layout(dp=2, ep=2), 1, no_groups, [1])  # building and naming need no collective
+    ep_rank_1 = ParallelState.without_groups(Layout(dp=2, ep=2), 1)  # building and naming need no collective
     shard = GPTModel(config.model, ep_rank_1, padded_vocab=1024, seed=3, mlp_factory=moe_mlp_factory(config, ep_rank_1))
     names = dict(shard.named_global_parameters())
     experts = sorted({n.split(".linear")[0] for n in names if ".experts." in n})

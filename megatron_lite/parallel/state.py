@@ -175,7 +175,15 @@ class ParallelState:
     @classmethod
     def single(cls) -> ParallelState:
         """A layout of one rank with no process groups: the single-device reference."""
-        return cls(Layout(), 0, dict.fromkeys((*_GROUP_KINDS, *_HIERARCHICAL_CP_KINDS, "embedding", "world")), [0])
+        return cls.without_groups(Layout(), 0)
+
+    @classmethod
+    def without_groups(cls, layout: Layout, rank: int) -> ParallelState:
+        """Rank `rank`'s place in `layout`, with no process groups: enough to build and name its shard of a
+        model (tools and tests), not to run it."""
+        pp_ranks = next(r for r in group_ranks(layout, "pp") if rank in r)
+        return cls(layout, rank, dict.fromkeys((*_GROUP_KINDS, *_HIERARCHICAL_CP_KINDS, "embedding", "world")),
+                   pp_ranks)
 
     def group(self, kind: str) -> dist.ProcessGroup | None:
         """The group of `kind` holding this rank (None when the layout has no such parallelism)."""
