@@ -36,12 +36,25 @@ def _worker(rank: int, size: int, init_file: str, tasks, results) -> None:
         task = tasks.get()
         if task is None:
             break
+        _destroy_subgroups(dist)
         fn, args = pickle.loads(task)
         try:
             results.put((rank, "ok", pickle.dumps(fn(*args))))
         except BaseException:  # noqa: BLE001 - every failure goes back to the test process
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _destroy_subgroups(dist) -> None:
+    """Destroy the groups earlier tasks created (torch registers every group in `_world.pg_map`): gloo keeps
+    three threads per group, and a world that runs hundreds of tasks would otherwise hold thousands. A new
+    task arrives only once every rank has returned the previous one, so no rank still uses them."""
+    import gc
+
+    world = dist.group.WORLD
+    for group in [g for g in dist.distributed_c10d._world.pg_map if g is not world]:
+        dist.destroy_process_group(group)
+    gc.collect()
 
 
 class World:

@@ -254,6 +254,10 @@ class Checkpointer:
         for ranks that may never arrive."""
         if wait_for_peers:
             self.maybe_finalize_async_save(blocking=True)
+            if self.group is not None:  # every rank is past its last use (the barrier above)
+                self._barrier()
+                dist.destroy_process_group(self.group)
+                self.group = None
         elif self.pending is not None:
             pending, self.pending = self.pending, None
             pending.exception()
