@@ -18,3 +18,10 @@ torch.set_num_threads(1)
 def _close_worlds():
     yield
     close_all_worlds()
+
+
+@pytest.fixture(scope="module")
+def idle_machine():
+    """For modules that time whole torchrun jobs: the shared test worlds of other modules would only compete
+    with them for the cores, so they are closed first (the next module that needs one starts it again)."""
+    close_all_worlds()

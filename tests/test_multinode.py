@@ -22,6 +22,7 @@ from megatron_lite.parallel import launcher, lifecycle
 from megatron_lite.parallel.state import Layout, group_ranks, rank_coordinates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("idle_machine")
 TINY = ["--model-preset", "llama-tiny", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
         "--ffn-hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32", "--vocab-size", "64",
         "--micro-batch-size", "2", "--log-interval", "1"]

@@ -18,6 +18,8 @@ from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.usefixtures("idle_machine")
 TINY = ["--model-preset", "llama-tiny", "--mock-data", "--num-layers", "1", "--hidden-size", "32",
         "--ffn-hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32", "--vocab-size", "64",
         "--micro-batch-size", "2", "--global-batch-size", "4"]
@@ -38,7 +40,7 @@ def test_thirty_finished_two_rank_runs_all_exit_zero():
     failures = []
     for attempt in range(30):
         process = _torchrun(TINY + ["--train-iters", "2"])
-        _, stderr = process.communicate(timeout=120)
+        _, stderr = process.communicate(timeout=300)
         if process.returncode != 0:
             failures.append((attempt, process.returncode, stderr[-600:]))
     assert not failures, failures
