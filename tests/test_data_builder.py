@@ -6,19 +6,14 @@ import pytest
 from megatron_lite.data.builder import build_train_valid_test_datasets, parse_data_path, parse_split, split_ranges
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_lite.errors import DataError
+from tests import corpora
 
 SEQ = 32
 VOCAB = 3000  # make_prefix ids lie below 3000
 
 
 def make_prefix(tmp_path, name, first_token, documents=200):
-    """`documents` documents whose token ids all lie in [first_token, first_token + 1000)."""
-    lengths = np.random.default_rng(first_token).integers(20, 80, size=documents)
-    builder = IndexedDatasetBuilder(str(tmp_path / name), np.int32)
-    for n in lengths:
-        builder.add_document(first_token + np.arange(n) % 1000)
-    builder.finalize()
-    return str(tmp_path / name)
+    return corpora.make_prefix(tmp_path, name, first_token, documents, np.int32)
 
 
 def test_data_path_forms():

@@ -5,23 +5,18 @@ import pytest
 
 from megatron_lite.config import parse_config
 from megatron_lite.data.builder import build_per_split_datasets
-from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.errors import DataError
 from megatron_lite.training import build_datasets
 from megatron_lite.validation import ConfigError
+from tests import corpora
 
 SEQ = 32
 VOCAB = 3000
 
 
 def make_prefix(tmp_path, name, first_token, documents=120):
-    """`documents` documents whose token ids all lie in [first_token, first_token + 1000)."""
-    lengths = np.random.default_rng(first_token).integers(20, 80, size=documents)
-    builder = IndexedDatasetBuilder(str(tmp_path / name), np.uint16)
-    for n in lengths:
-        builder.add_document(first_token + np.arange(n) % 1000)
-    builder.finalize()
-    return str(tmp_path / name)
+    return corpora.make_prefix(tmp_path, name, first_token, documents, np.uint16)
 
 
 def datasets_for(*flags: str):
