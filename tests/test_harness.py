@@ -37,3 +37,43 @@ def test_a_hang_fails_after_the_timeout():
     with pytest.raises(TimeoutError):
         run_on_ranks(2, hang_on_rank_zero, timeout=5)
     assert run_on_ranks(2, rank_and_sum)[0] == (0, 3.0)  # a fresh world replaces the killed one
+
+
+def gloo_threads() -> int:
+    """Gloo runs three threads per live process group; the count says how many groups are still alive."""
+    import gc
+
+    gc.collect()
+    from pathlib import Path
+
+    names = [path.read_text().strip() for path in Path("/proc/self/task").glob("*/comm")]
+    return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
+
+
+def train_briefly(values: dict, world_size: int) -> None:
+    import pretrain_gpt
+    from megatron_lite.config import make_config
+    from megatron_lite.training import pretrain
+
+    pretrain(make_config(values, world_size), pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+
+
+TINY = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64, "seq_length": 16,
+        "max_position_embeddings": 16, "vocab_size": 64, "make_vocab_size_divisible_by": 8, "mock_data": True,
+        "attention_dropout": 0.0, "micro_batch_size": 1, "global_batch_size": 4, "train_iters": 2, "lr": 1e-3,
+        "log_interval": 1000, "eval_interval": 1000}
+LAYOUTS = {
+    "tp2_pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "sequence_parallel": True},
+    "cp2_zero1": {"context_parallel_size": 2, "use_distributed_optimizer": True, "overlap_grad_reduce": True},
+    "zero3_overlap": {"data_parallel_sharding_strategy": "optim_grads_params", "overlap_param_gather": True},
+    "moe_ep2": {"num_experts": 4, "moe_router_topk": 2, "expert_model_parallel_size": 2, "disable_bias_linear": True},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_finished_training_run_frees_its_process_groups(layout):
+    """A dropped model and its process groups are freed: nothing (a gradient hook held by autograd in C++)
+    keeps them alive, so a long-lived process does not accumulate gloo threads run after run."""
+    [before, *_] = run_on_ranks(4, gloo_threads)
+    run_on_ranks(4, train_briefly, {**TINY, **LAYOUTS[layout]}, 4)
+    assert run_on_ranks(4, gloo_threads) == [before] * 4

@@ -42,6 +42,7 @@ is how such a range is described to checkpoints.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from functools import partial
 
 import torch
@@ -85,6 +86,19 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _calls_while_alive(method):
+    """`method` behind a weak reference to its object. A parameter's gradient hook is held by autograd in
+    C++, where the garbage collector cannot see it: a hook bound to the wrapper would make the wrapper, the
+    model and its process groups immortal once the model is dropped."""
+    target = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = target()
+        if bound is not None:
+            bound(*args)
+    return call
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wraps one model chunk: accumulates gradients into contiguous buffers, reduces them by bucket and,
     when sharded, keeps and gathers the parameters as the ZeRO stage says."""
@@ -118,7 +132,8 @@ class DistributedDataParallel(torch.nn.Module):
                                            self.strategy))
         self.buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
+        accumulate = _calls_while_alive(self._accumulate)
+        self._hooks = [p.register_post_accumulate_grad_hook(accumulate) for p in params]
         if self.units:
             self._unit_of_bucket = {}
             for bucket in self.buckets:
