@@ -18,7 +18,6 @@ import torch
 import pretrain_gpt
 from megatron_lite.config import make_config
 from megatron_lite.optim.distributed_optimizer import build_optimizer
-from megatron_lite.optim.grad_buffer import FlatShard
 from megatron_lite.training import (
     build_data_iterator,
     build_datasets,
@@ -28,12 +27,9 @@ from megatron_lite.training import (
     train_step,
 )
 from tests.harness import run_on_ranks
+from tests.helpers import TINY_2_LAYERS, train_with_state
 from tests.tolerances import assert_close_in_norm
 
-TINY = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
-        "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 256, "seq_length": 32,
-        "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": 8, "train_iters": 10,
-        "lr": 3e-3, "lr_warmup_iters": 1, "clip_grad": 0.3, "eval_interval": 1000, "log_interval": 1000}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OVERLAP = {"overlap_grad_reduce": True, "overlap_param_gather": True}
 # ZeRO-1 reduces the same sums as no_shard. ZeRO-2/3 reduce-scatter every micro-batch, summing the same
@@ -42,28 +38,9 @@ OVERLAP = {"overlap_grad_reduce": True, "overlap_param_gather": True}
 WEIGHT_TOLERANCE = {"optim": 1e-6, "optim_grads": 3e-5, "optim_grads_params": 3e-5}
 
 
-def train(values: dict, world_size: int) -> dict:
-    """Train with the real training step; per-step metrics, final local weights and optimizer state."""
-    config = make_config(values, world_size)
-    pstate, device = initialize(config)
-    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
-    iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
-    history = [train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, i, device)
-               for i in range(config.training.train_iters)]
-    weights = {}
-    for chunk in model:
-        with chunk.gathered_parameters():
-            weights.update({name: p.detach().clone() for name, p in chunk.module.named_global_parameters()})
-    state = {key: (value.data.clone(), value.flat_range, value.spec) if isinstance(value, FlatShard) else value
-             for key, value in optimizer.sharded_state_dict().items()}
-    return {"losses": [h["lm_loss"] for h in history], "norms": [h["grad_norm"] for h in history],
-            "weights": weights, "state": state, "tp": (pstate.tp_rank, pstate.tp_size)}
-
-
 def train_every_strategy(values: dict, world_size: int, overlap: bool = False) -> dict:
     """One run per sharding strategy; with `overlap`, the sharded ones overlap reduction and gathering."""
-    return {strategy: train({**values, "data_parallel_sharding_strategy": strategy,
+    return {strategy: train_with_state({**values, "data_parallel_sharding_strategy": strategy,
                              **(OVERLAP if overlap and strategy != "no_shard" else {})}, world_size)
             for strategy in STRATEGIES}
 
@@ -117,7 +94,7 @@ def check_against_plain(results_of_ranks: list[dict], reference: dict) -> None:
             assert sharded["norms"] == pytest.approx(plain["norms"], rel=1e-6), strategy
             assert sharded["norms"] == pytest.approx(reference["norms"], rel=1e-5), strategy
             assert_weights_close(sharded["weights"], plain["weights"], WEIGHT_TOLERANCE[strategy])
-    assert min(reference["norms"]) > TINY["clip_grad"]  # clipping is active in every step
+    assert min(reference["norms"]) > TINY_2_LAYERS["clip_grad"]  # clipping is active in every step
     assert reference["losses"][-1] < reference["losses"][0]
 
 
@@ -130,28 +107,28 @@ def check_state_against_single_device(results_of_ranks: list[dict], reference: d
         for key, tensor in state.items():
             # L2 per tensor, as the weights: after 10 Adam steps no_shard is 2e-5 from one device (WEIGHT_TOLERANCE)
             assert_close_in_norm(tensor, reference_state[key], rel=3e-5, msg=f"{strategy} {key}")
-        assert all(r[strategy]["state"]["optimizer.step"] == TINY["train_iters"] for r in results_of_ranks)
+        assert all(r[strategy]["state"]["optimizer.step"] == TINY_2_LAYERS["train_iters"] for r in results_of_ranks)
 
 
 def test_zero_1_2_3_at_dp2_equal_the_plain_optimizer():
-    reference = train(TINY, 1)
-    results = run_on_ranks(2, train_every_strategy, TINY, 2)
+    reference = train_with_state(TINY_2_LAYERS, 1)
+    results = run_on_ranks(2, train_every_strategy, TINY_2_LAYERS, 2)
     check_against_plain(results, reference)
     check_state_against_single_device(results, reference)
 
 
-TP2 = {**TINY, "tensor_model_parallel_size": 2, "sequence_parallel": True, "recompute_granularity": "full"}
-TIED = {**TINY, "untie_embeddings_and_output_weights": False}
+TP2 = {**TINY_2_LAYERS, "tensor_model_parallel_size": 2, "sequence_parallel": True, "recompute_granularity": "full"}
+TIED = {**TINY_2_LAYERS, "untie_embeddings_and_output_weights": False}
 PP2_TIED = {**TIED, "pipeline_model_parallel_size": 2}
 
 
 def train_layouts_on_four_ranks() -> dict:
-    return {"dp4": train_every_strategy(TINY, 4, overlap=True), "tp2": train_every_strategy(TP2, 4),
+    return {"dp4": train_every_strategy(TINY_2_LAYERS, 4, overlap=True), "tp2": train_every_strategy(TP2, 4),
             "pp2": train_every_strategy(PP2_TIED, 4, overlap=True)}
 
 
 def test_zero_1_2_3_at_dp4_and_with_tp2_sp_recompute_and_pp2_tied_equal_the_plain_optimizer():
-    reference, tied_reference = train(TINY, 1), train(TIED, 1)
+    reference, tied_reference = train_with_state(TINY_2_LAYERS, 1), train_with_state(TIED, 1)
     results = run_on_ranks(4, train_layouts_on_four_ranks)
     for layout, layout_reference in (("dp4", reference), ("tp2", reference), ("pp2", tied_reference)):
         check_against_plain([r[layout] for r in results], layout_reference)
@@ -218,7 +195,7 @@ def memory_of_every_strategy(values: dict, world_size: int) -> dict:
 
 
 def test_per_rank_memory_of_each_zero_stage_matches_theory():
-    results = run_on_ranks(4, memory_of_every_strategy, {**TINY, "train_iters": 1}, 4)
+    results = run_on_ranks(4, memory_of_every_strategy, {**TINY_2_LAYERS, "train_iters": 1}, 4)
     for rank_result in results:
         for strategy, r in rank_result.items():
             n, d = r["numel"], r["d"]
@@ -242,7 +219,7 @@ def pretrain_logging_to(values: dict, world_size: int, path: str) -> None:
 
 
 def test_sharded_runs_evaluate_and_log_as_no_shard(tmp_path):
-    values = {**TINY, "train_iters": 4, "eval_interval": 2, "eval_iters": 2}
+    values = {**TINY_2_LAYERS, "train_iters": 4, "eval_interval": 2, "eval_iters": 2}
     records = {}
     for strategy, flags in (("no_shard", {}), ("optim", OVERLAP), ("optim_grads_params", OVERLAP)):
         path = tmp_path / f"{strategy}.jsonl"
@@ -261,7 +238,7 @@ def test_sharded_runs_evaluate_and_log_as_no_shard(tmp_path):
 
 
 def test_zero3_gathers_one_layer_at_a_time_in_forward_and_backward():
-    config = make_config({**TINY, "num_layers": 3, "data_parallel_sharding_strategy": "optim_grads_params"}, 1)
+    config = make_config({**TINY_2_LAYERS, "num_layers": 3, "data_parallel_sharding_strategy": "optim_grads_params"}, 1)
     pstate, device = initialize(config)
     chunk = build_model(config, pstate, pretrain_gpt.model_provider, device)[0]
     optimizer = build_optimizer(config, [chunk], pstate)

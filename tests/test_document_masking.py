@@ -22,7 +22,7 @@ from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.training import _collate, model_chunk_plans
 from tests.harness import run_on_ranks
-from tests.test_pipeline_parallel import assert_run_matches, train_and_collect
+from tests.helpers import assert_run_matches, train_and_collect
 from tests.tolerances import assert_close_relative
 
 VOCAB, SEQ = 16, 32  # mock data's EOD is VOCAB - 1, which a progression reaches every 16 tokens or less, or never

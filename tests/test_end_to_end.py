@@ -8,7 +8,7 @@ import pytest
 from megatron_lite.data.preprocess import preprocess
 from megatron_lite.data.tokenizer_training import train_sentencepiece
 from tests.harness import run_on_ranks
-from tests.test_data_parallel import train
+from tests.helpers import losses_and_norms
 
 TEXT = ("the king of england spoke to his army before the battle and the men answered with one voice "
         "while the queen watched from the castle wall as the sun rose over the hills")
@@ -34,8 +34,8 @@ def test_preprocessed_corpus_trains_identically_on_one_and_two_ranks(tmp_path):
               "data_path": [str(tmp_path / "corpus_text_document")], "split": "90,10,0",
               "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": model, "micro_batch_size": 2,
               "global_batch_size": 8, "train_iters": 8, "lr": 3e-3, "eval_interval": 1000, "log_interval": 1000}
-    reference = train(values, 1)
-    for rank_result in run_on_ranks(2, train, values, 2):
+    reference = losses_and_norms(values, 1)
+    for rank_result in run_on_ranks(2, losses_and_norms, values, 2):
         for (loss, norm), (ref_loss, ref_norm) in zip(rank_result, reference):
             assert loss == pytest.approx(ref_loss, rel=1e-5)
             assert norm == pytest.approx(ref_norm, rel=1e-5)

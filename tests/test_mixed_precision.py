@@ -18,13 +18,13 @@ from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.loss_scaler import DynamicGradScaler
 from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
 from tests.harness import run_on_ranks
-from tests.test_distributed_optimizer import TINY, train
+from tests.helpers import TINY_2_LAYERS, train_with_state
 
-FP16 = {**TINY, "fp16": True, "initial_loss_scale": 2.0**8}
+FP16 = {**TINY_2_LAYERS, "fp16": True, "initial_loss_scale": 2.0**8}
 
 
 def test_bf16_on_cpu_trains_and_tracks_fp32():
-    fp32, bf16 = train(TINY, 1), train({**TINY, "bf16": True}, 1)
+    fp32, bf16 = train_with_state(TINY_2_LAYERS, 1), train_with_state({**TINY_2_LAYERS, "bf16": True}, 1)
     assert {w.dtype for w in bf16["weights"].values()} == {torch.bfloat16}
     masters = [v for k, v in bf16["state"].items() if k.startswith("optimizer.state.fp32_param.")]
     assert masters and all(data.dtype == torch.float32 for data, _, _ in masters)
@@ -108,4 +108,4 @@ def test_dynamic_scaler_grows_after_a_clean_window_and_stops_at_the_minimum():
 ])
 def test_bad_precision_and_sharding_flags_fail_with_what_to_change(values, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        make_config({**TINY, **values}, 2)
+        make_config({**TINY_2_LAYERS, **values}, 2)

@@ -14,7 +14,7 @@ from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.presets import MODEL_PRESETS
 from megatron_lite.validation import ConfigError
 from tests.harness import run_on_ranks
-from tests.test_tensor_parallel_model import SMALL, forward_backward
+from tests.helpers import SMALL, forward_backward
 from tests.tolerances import assert_close_relative
 
 # Every new attention feature at once, heads of 32 channels at hidden size 64 with 4 heads

@@ -7,7 +7,7 @@ from megatron_lite.config import ConfigError, make_config
 from megatron_lite.training import model_chunk_plans
 from megatron_lite.validation import pipeline_stage_layers
 from tests.harness import run_on_ranks
-from tests.test_pipeline_parallel import TINY_8_LAYERS, assert_run_matches, reference, train_and_collect
+from tests.helpers import TINY_8_LAYERS, assert_run_matches, reference, train_and_collect
 
 
 def error_for(values: dict, world_size: int) -> str:

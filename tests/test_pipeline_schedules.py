@@ -18,7 +18,7 @@ from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.parallel.p2p import TRACE_ENV
 from megatron_lite.pipeline.schedules import ScheduleStats
 from tests.harness import run_on_ranks
-from tests.test_pipeline_parallel import TINY_8_LAYERS, assert_tensors_match, join_shards, parameter_records
+from tests.helpers import TINY_8_LAYERS, assert_tensors_match, join_shards, parameter_records
 
 M = 8
 ONE_STEP = {**TINY_8_LAYERS, "micro_batch_size": 1, "global_batch_size": M}

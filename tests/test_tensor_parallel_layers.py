@@ -21,6 +21,7 @@ from megatron_lite.model.tensor_parallel import (
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import Layout, ParallelState
 from tests.harness import run_on_ranks
+from tests.helpers import gather_pieces
 from tests.tolerances import assert_close_relative
 
 S, B, IN, OUT, H = 8, 2, 16, 24, 16  # sequence, batch, linear in/out features, embedding width
@@ -40,9 +41,7 @@ def full_tensors(seed: int, *shapes):
     return [torch.randn(shape, generator=generator) for shape in shapes]
 
 
-def gather_pieces(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    """Every TP rank's tensor, in TP-rank order (the tensors have equal shapes)."""
-    return list(mappings.all_gather_dim0(tensor.detach().unsqueeze(0), group).unbind(0))
+
 
 
 def leaf(tensor: torch.Tensor) -> torch.Tensor:

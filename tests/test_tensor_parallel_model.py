@@ -10,57 +10,17 @@ TP, equal the single-device model's. Then 10 training steps of TP2 x DP2 equal o
 import pytest
 import torch
 
-import pretrain_gpt
-from megatron_lite.config import make_config
-from megatron_lite.model.gpt import gather_vocab_logits
-from megatron_lite.model.sharding import unshard
-from megatron_lite.optim.finalize_grads import finalize_model_grads
-from megatron_lite.optim.grad_buffer import DistributedDataParallel
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.training import model_chunk_plans, pretrain
 from tests.harness import run_on_ranks
-from tests.test_tensor_parallel_layers import gather_pieces
+from tests.helpers import BATCH, SMALL, forward_backward, losses_and_norms
 from tests.tolerances import assert_close_relative
 
-VOCAB, BATCH = 100, 4  # vocabulary padded to 104 / 112 / 128 rows at TP 1 / 2 / 4
-SMALL = {"num_layers": 2, "hidden_size": 64, "seq_length": 32, "max_position_embeddings": 32, "vocab_size": VOCAB,
-         "make_vocab_size_divisible_by": 8, "mock_data": True, "hidden_dropout": 0.0, "attention_dropout": 0.0}
 MODELS = {
     "gpt2": {**SMALL, "model_preset": "gpt2-124m", "num_attention_heads": 4, "ffn_hidden_size": 128},
     "llama_gqa": {**SMALL, "model_preset": "llama-tiny", "num_attention_heads": 8, "num_query_groups": 4,
                   "ffn_hidden_size": 96},
 }
 LAYOUTS = [(tp, sp) for tp in (2, 4) for sp in (False, True)]
-
-
-def batch() -> torch.Tensor:
-    """[BATCH, seq + 1] tokens, the same in every process."""
-    return torch.randint(0, VOCAB, (BATCH, SMALL["seq_length"] + 1), generator=torch.Generator().manual_seed(0))
-
-
-def forward_backward(values: dict, pstate: ParallelState, world_size: int) -> dict:
-    """This data-parallel rank's logits; the gathered initial weights and global-batch-mean gradients."""
-    config = make_config(values, world_size)
-    plan = model_chunk_plans(config, pstate.pp_rank)[0]
-    model = DistributedDataParallel(pretrain_gpt.model_provider(config, pstate, plan, torch.device("cpu")), pstate)
-    rows = BATCH // pstate.dp_size
-    tokens = batch()[pstate.dp_rank * rows:(pstate.dp_rank + 1) * rows]
-    inputs, labels, positions = tokens[:, :-1], tokens[:, 1:], torch.arange(SMALL["seq_length"])
-    model(inputs, positions, labels=labels).sum().backward()  # per-token losses [b, s]
-    finalize_model_grads([model], pstate, torch.tensor(float(labels.numel())))
-    with torch.no_grad():
-        logits = gather_vocab_logits(model(inputs, positions), pstate, VOCAB)  # [b, s, vocab]
-    result = {"logits": logits, "weights": {}, "grads": {}, "padded_grads": {}}
-    tp_group = pstate.group("tp")
-    for name, param in model.module.named_global_parameters():
-        weight = unshard(gather_pieces(param, tp_group), param.spec)
-        grad = unshard(gather_pieces(param.main_grad, tp_group), param.spec)
-        valid = param.spec.valid_rows
-        result["weights"][name] = weight[:valid]
-        result["grads"][name] = grad[:valid]
-        if valid is not None:
-            result["padded_grads"][name] = grad[valid:]
-    return result
 
 
 def run_model_cases():
@@ -117,17 +77,11 @@ TRAIN = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 10, "lr":
          "eval_interval": 1000, "log_interval": 1000}
 
 
-def train(values: dict, world_size: int):
-    config = make_config(values, world_size)
-    return [(h["lm_loss"], h["grad_norm"]) for h in pretrain(config, pretrain_gpt.model_provider,
-                                                             pretrain_gpt.forward_step)]
-
-
 @pytest.mark.parametrize(("name", "sequence_parallel"), [("gpt2", True), ("llama_gqa", False)])
 def test_tp2_dp2_training_matches_single_process(name, sequence_parallel):
     values = {**MODELS[name], **TRAIN}
-    reference = train(values, 1)
-    parallel = run_on_ranks(4, train, {**values, "tensor_model_parallel_size": 2,
+    reference = losses_and_norms(values, 1)
+    parallel = run_on_ranks(4, losses_and_norms, {**values, "tensor_model_parallel_size": 2,
                                        "sequence_parallel": sequence_parallel}, 4)
     assert len(reference) == 10
     for rank_history in parallel:

@@ -19,7 +19,7 @@ from megatron_lite.parallel.random import RNGTracker
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.training import ChunkPlan, model_chunk_plans
 from tests.harness import run_on_ranks
-from tests.test_tensor_parallel_layers import gather_pieces
+from tests.helpers import gather_pieces
 from tests.tolerances import assert_close_relative
 
 SEED = 1234

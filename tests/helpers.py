@@ -1,0 +1,202 @@
+"""Helpers shared by the test modules: training runs that return what the tests compare, and comparisons.
+
+Runs go to spawned ranks by reference (tests/harness.py), so every function a rank runs lives at module
+level here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import pretrain_gpt
+from megatron_lite.config import make_config
+from megatron_lite.model.gpt import gather_vocab_logits
+from megatron_lite.model.sharding import unshard
+from megatron_lite.optim.distributed_optimizer import build_optimizer
+from megatron_lite.optim.finalize_grads import finalize_model_grads
+from megatron_lite.optim.grad_buffer import DistributedDataParallel, FlatShard
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.training import (
+    build_data_iterator,
+    build_datasets,
+    build_model,
+    initialize,
+    model_chunk_plans,
+    pretrain,
+    train_step,
+)
+from tests.tolerances import assert_close_relative
+
+# ---------------------------------------------------------------------------------------------------
+# Training runs through pretrain()
+
+TINY_8_LAYERS = {
+    "model_preset": "llama-tiny", "mock_data": True, "num_layers": 8, "hidden_size": 64, "ffn_hidden_size": 128,
+    "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 256, "seq_length": 32,
+    "max_position_embeddings": 32, "micro_batch_size": 2, "global_batch_size": 8, "train_iters": 10, "lr": 3e-3,
+    "lr_warmup_iters": 1, "eval_interval": 1000, "log_interval": 1000,
+}
+
+
+def losses_and_norms(values: dict, world_size: int) -> list[tuple[float, float]]:
+    """(loss, grad norm) of every step of pretrain()."""
+    config = make_config(values, world_size)
+    history = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+    return [(h["lm_loss"], h["grad_norm"]) for h in history]
+
+
+_BUILT: list = []
+
+
+def _capturing_provider(config, pstate, plan, device):
+    """pretrain_gpt's model provider, keeping each chunk so the test can read its weights afterwards."""
+    chunk = pretrain_gpt.model_provider(config, pstate, plan, device)
+    _BUILT.append(chunk)
+    return chunk
+
+
+def parameter_records(chunks, tensor_of) -> list[tuple]:
+    """(global name, replica, tp rank, spec, tensor) for every parameter of this rank's model chunks.
+
+    A replica is the (dp, cp, pp) position holding a copy: data-parallel replicas and the last stage's copy
+    of tied embeddings are each compared with the reference on their own.
+    """
+    records = []
+    for chunk in chunks:
+        module = getattr(chunk, "module", chunk)
+        pstate = module.pstate
+        replica = (pstate.dp_rank, pstate.cp_rank, pstate.pp_rank)
+        for name, param in module.named_global_parameters():
+            records.append((name, replica, pstate.tp_rank, param.spec, tensor_of(param).detach().clone()))
+    return records
+
+
+def train_and_collect(values: dict, world_size: int):
+    """Train with training.pretrain; per-step losses, final weights and the last step's gradients."""
+    _BUILT.clear()
+    history = pretrain(make_config(values, world_size), _capturing_provider, pretrain_gpt.forward_step)
+    return ([h["lm_loss"] for h in history], parameter_records(_BUILT, lambda p: p),
+            parameter_records(_BUILT, lambda p: p.main_grad))
+
+
+def join_shards(records_of_all_ranks: list[list[tuple]]) -> dict[tuple, object]:
+    """{(name, replica): global tensor} from every rank's records, TP shards joined in TP-rank order."""
+    pieces: dict[tuple, dict] = {}
+    for records in records_of_all_ranks:
+        for name, replica, tp_rank, spec, tensor in records:
+            pieces.setdefault((name, replica), {})[tp_rank] = (spec, tensor)
+    joined = {}
+    for key, by_rank in pieces.items():
+        spec = by_rank[0][0]
+        joined[key] = unshard([by_rank[r][1] for r in sorted(by_rank)], spec)
+    return joined
+
+
+def assert_tensors_match(parallel: dict[tuple, object], reference: dict[tuple, object], rel: float = 1e-5,
+                         floor: float = 0.0):
+    """Every parallel copy of every parameter equals the single-device tensor element by element, to `rel`
+    of the tensor's largest element and at least an absolute `floor`; every reference parameter is present
+    somewhere in the parallel run."""
+    seen = set()
+    for (name, _replica), tensor in parallel.items():
+        assert_close_relative(tensor, reference[(name, (0, 0, 0))], rel=rel, msg=name, floor=floor)
+        seen.add(name)
+    assert seen == {name for name, _ in reference}
+
+
+def assert_run_matches(parallel_results: list, reference_result, rel: float = 1e-5, tensor_rel: float = 1e-5):
+    """Losses of every rank (each reports the global loss) equal the reference at every step to `rel`;
+    final weights and last-step gradients equal the reference ones to `tensor_rel`.
+
+    Weights get an absolute floor of `tensor_rel` (they are O(0.01-1) numbers): a parameter whose gradient
+    is zero in exact arithmetic, such as GPT-2's key bias (softmax ignores a shift shared by all keys), is
+    moved by Adam on rounding noise alone, by ~1e-6 per step, differently in every layout."""
+    ref_losses, ref_weights, ref_grads = reference_result
+    for losses, _, _ in parallel_results:
+        assert len(losses) == len(ref_losses)
+        for step, (loss, ref) in enumerate(zip(losses, ref_losses)):
+            assert abs(loss - ref) <= rel * abs(ref), f"step {step}: loss {loss} vs {ref}"
+    assert_tensors_match(join_shards([r[1] for r in parallel_results]), join_shards([ref_weights]), tensor_rel,
+                         floor=tensor_rel)
+    assert_tensors_match(join_shards([r[2] for r in parallel_results]), join_shards([ref_grads]), tensor_rel)
+
+
+_REFERENCES: dict = {}
+
+
+def reference(values: dict):
+    """The single-device run of `values`, computed once per test session."""
+    key = tuple(sorted(values.items()))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_and_collect(values, 1)
+    return _REFERENCES[key]
+
+
+TINY_2_LAYERS = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 64,
+                 "ffn_hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 256,
+                 "seq_length": 32, "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": 8,
+                 "train_iters": 10, "lr": 3e-3, "lr_warmup_iters": 1, "clip_grad": 0.3, "eval_interval": 1000,
+                 "log_interval": 1000}
+
+
+def train_with_state(values: dict, world_size: int) -> dict:
+    """Train with the real training step; per-step metrics, final local weights and optimizer state."""
+    config = make_config(values, world_size)
+    pstate, device = initialize(config)
+    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+    optimizer = build_optimizer(config, model, pstate)
+    iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
+    history = [train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, i, device)
+               for i in range(config.training.train_iters)]
+    weights = {}
+    for chunk in model:
+        with chunk.gathered_parameters():
+            weights.update({name: p.detach().clone() for name, p in chunk.module.named_global_parameters()})
+    state = {key: (value.data.clone(), value.flat_range, value.spec) if isinstance(value, FlatShard) else value
+             for key, value in optimizer.sharded_state_dict().items()}
+    return {"losses": [h["lm_loss"] for h in history], "norms": [h["grad_norm"] for h in history],
+            "weights": weights, "state": state, "tp": (pstate.tp_rank, pstate.tp_size)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tensor parallelism: one forward and backward of a whole model on a fixed batch
+
+def gather_pieces(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every TP rank's tensor, in TP-rank order (the tensors have equal shapes)."""
+    return list(mappings.all_gather_dim0(tensor.detach().unsqueeze(0), group).unbind(0))
+
+
+VOCAB, BATCH = 100, 4  # vocabulary padded to 104 / 112 / 128 rows at TP 1 / 2 / 4
+SMALL = {"num_layers": 2, "hidden_size": 64, "seq_length": 32, "max_position_embeddings": 32, "vocab_size": VOCAB,
+         "make_vocab_size_divisible_by": 8, "mock_data": True, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+
+
+def batch() -> torch.Tensor:
+    """[BATCH, seq + 1] tokens, the same in every process."""
+    return torch.randint(0, VOCAB, (BATCH, SMALL["seq_length"] + 1), generator=torch.Generator().manual_seed(0))
+
+
+def forward_backward(values: dict, pstate: ParallelState, world_size: int) -> dict:
+    """This data-parallel rank's logits; the gathered initial weights and global-batch-mean gradients."""
+    config = make_config(values, world_size)
+    plan = model_chunk_plans(config, pstate.pp_rank)[0]
+    model = DistributedDataParallel(pretrain_gpt.model_provider(config, pstate, plan, torch.device("cpu")), pstate)
+    rows = BATCH // pstate.dp_size
+    tokens = batch()[pstate.dp_rank * rows:(pstate.dp_rank + 1) * rows]
+    inputs, labels, positions = tokens[:, :-1], tokens[:, 1:], torch.arange(SMALL["seq_length"])
+    model(inputs, positions, labels=labels).sum().backward()  # per-token losses [b, s]
+    finalize_model_grads([model], pstate, torch.tensor(float(labels.numel())))
+    with torch.no_grad():
+        logits = gather_vocab_logits(model(inputs, positions), pstate, VOCAB)  # [b, s, vocab]
+    result = {"logits": logits, "weights": {}, "grads": {}, "padded_grads": {}}
+    tp_group = pstate.group("tp")
+    for name, param in model.module.named_global_parameters():
+        weight = unshard(gather_pieces(param, tp_group), param.spec)
+        grad = unshard(gather_pieces(param.main_grad, tp_group), param.spec)
+        valid = param.spec.valid_rows
+        result["weights"][name] = weight[:valid]
+        result["grads"][name] = grad[:valid]
+        if valid is not None:
+            result["padded_grads"][name] = grad[valid:]
+    return result
