@@ -1,0 +1,195 @@
+"""One name table per Hugging Face family: which HF tensors make each global megatron_lite tensor, and how.
+
+A table is a list of `Rule`s read in both directions (weights.py): import joins each rule's HF tensors into
+ours, export splits ours back into the HF tensors, and the HF shapes a configuration implies come from the
+same rules. Names are templates: `{layer}` runs over the layers, `{expert}` over the routed experts.
+Adding a family is one function here returning its table (and its config.json mapping in configs.py).
+
+The transforms between the two layouts:
+  SAME         the tensor as it is
+  VOCAB_ROWS   a vocabulary table: export drops our padding rows (import pads at load time)
+  STACKED      [gate; up] rows stacked into one fc1, for the dense MLP and every expert
+  QKV          separate q, k, v -> fused per query group (model/attention.py's layout)
+  PACKED_QKV   GPT-2's one [q; k; v] tensor -> fused per query group
+  transposed() GPT-2's Conv1D stores weights as [in, out]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_lite.config import ModelConfig
+
+Shape = tuple[int, ...]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Separate q [nh*d, ..], k, v [ng*d, ..] -> fused per-query-group [(nh + 2ng)*d, ..]."""
+    ng, d = config.num_query_groups, config.head_dim
+    per_group = config.num_attention_heads // ng
+    rest = q.shape[1:]
+    q = q.reshape(ng, per_group * d, *rest)
+    k = k.reshape(ng, d, *rest)
+    v = v.reshape(ng, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`."""
+    ng, d = config.num_query_groups, config.head_dim
+    per_group = config.num_attention_heads // ng
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(ng, (per_group + 2) * d, *rest)
+    q, k, v = grouped.split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """`join` makes our tensor from the HF tensors (in the rule's order); `split` is its inverse."""
+
+    join: Callable[[list[torch.Tensor], ModelConfig], torch.Tensor]
+    split: Callable[[torch.Tensor, ModelConfig], list[torch.Tensor]]
+
+
+SAME = Transform(lambda hf, m: hf[0], lambda t, m: [t])
+VOCAB_ROWS = Transform(lambda hf, m: hf[0], lambda t, m: [t[:m.vocab_size]])
+STACKED = Transform(lambda hf, m: torch.cat(hf), lambda t, m: list(t.chunk(2)))
+QKV = Transform(lambda hf, m: fuse_qkv(*hf, m), lambda t, m: list(split_qkv(t, m)))
+PACKED_QKV = Transform(lambda hf, m: fuse_qkv(*hf[0].chunk(3), m), lambda t, m: [torch.cat(split_qkv(t, m))])
+
+
+def transposed(inner: Transform) -> Transform:
+    """`inner` applied to HF tensors stored as [in, out]."""
+    return Transform(lambda hf, m: inner.join([t.t() for t in hf], m),
+                     lambda t, m: [piece.t() for piece in inner.split(t, m)])
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Our tensor `ours` is `transform.join` of the HF tensors `theirs`, whose shapes are `shapes(m)`."""
+
+    ours: str
+    theirs: tuple[str, ...]
+    shapes: Callable[[ModelConfig], tuple[Shape, ...]]
+    transform: Transform = SAME
+
+
+@dataclass(frozen=True)
+class NameTable:
+    """The rules of a family: before the layers, per layer (`{layer}`, and `{expert}` in expert rules), after."""
+
+    head: list[Rule]
+    layer: list[Rule]
+    tail: list[Rule]
+
+
+def _h(m):
+    return m.hidden_size
+
+
+def _q(m):
+    return m.num_attention_heads * m.head_dim
+
+
+def _kv(m):
+    return m.num_query_groups * m.head_dim
+
+
+def _output_layer(m: ModelConfig, hf_name: str) -> list[Rule]:
+    return ([Rule("output_layer.weight", (hf_name,), lambda m: ((m.vocab_size, _h(m)),), VOCAB_ROWS)]
+            if m.untie_embeddings_and_output_weights else [])
+
+
+def _llama_attention(m: ModelConfig) -> list[Rule]:
+    """Norms and attention of a Llama layer (and Qwen2's q/k/v biases, Qwen3's per-head q/k norms)."""
+    ours, attn = "decoder.layers.{layer}.", "model.layers.{layer}.self_attn."
+    rules = [Rule(ours + "input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",),
+                  lambda m: ((_h(m),),)),
+             Rule(ours + "pre_mlp_layernorm.weight", ("model.layers.{layer}.post_attention_layernorm.weight",),
+                  lambda m: ((_h(m),),)),
+             Rule(ours + "self_attention.linear_qkv.weight",
+                  (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                  lambda m: ((_q(m), _h(m)), (_kv(m), _h(m)), (_kv(m), _h(m))), QKV),
+             Rule(ours + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), lambda m: ((_h(m), _q(m)),))]
+    if m.add_qkv_bias:
+        rules.append(Rule(ours + "self_attention.linear_qkv.bias",
+                          (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                          lambda m: ((_q(m),), (_kv(m),), (_kv(m),)), QKV))
+    if m.qk_layernorm:
+        rules += [Rule(ours + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",),
+                       lambda m: ((m.head_dim,),)),
+                  Rule(ours + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",),
+                       lambda m: ((m.head_dim,),))]
+    return rules
+
+
+def _swiglu_mlp(ours: str, theirs: str, ffn: Callable[[ModelConfig], int],
+                names=("gate_proj", "up_proj", "down_proj")) -> list[Rule]:
+    """A SwiGLU MLP: HF's gate, up and down projections -> our fc1 ([gate; up]) and fc2."""
+    gate, up, down = names
+    return [Rule(ours + "linear_fc1.weight", (f"{theirs}{gate}.weight", f"{theirs}{up}.weight"),
+                 lambda m: ((ffn(m), _h(m)), (ffn(m), _h(m))), STACKED),
+            Rule(ours + "linear_fc2.weight", (f"{theirs}{down}.weight",), lambda m: ((_h(m), ffn(m)),))]
+
+
+def _llama_table(m: ModelConfig, mlp: list[Rule]) -> NameTable:
+    return NameTable(
+        head=[Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",),
+                   lambda m: ((m.vocab_size, _h(m)),), VOCAB_ROWS)],
+        layer=_llama_attention(m) + mlp,
+        tail=[Rule("decoder.final_layernorm.weight", ("model.norm.weight",), lambda m: ((_h(m),),)),
+              *_output_layer(m, "lm_head.weight")])
+
+
+def llama_table(m: ModelConfig) -> NameTable:
+    """Llama, Qwen2 and Qwen3: a dense SwiGLU MLP in every layer."""
+    return _llama_table(m, _swiglu_mlp("decoder.layers.{layer}.mlp.", "model.layers.{layer}.mlp.",
+                                       lambda m: m.ffn_hidden_size))
+
+
+def mixtral_table(m: ModelConfig) -> NameTable:
+    """Mixtral: a router and experts w1 (gate), w3 (up), w2 (down) in every layer."""
+    moe = "model.layers.{layer}.block_sparse_moe."
+    return _llama_table(m, [
+        Rule("decoder.layers.{layer}.mlp.router.weight", (moe + "gate.weight",),
+             lambda m: ((m.num_experts, _h(m)),)),
+        *_swiglu_mlp("decoder.layers.{layer}.mlp.experts.{expert}.", moe + "experts.{expert}.",
+                     lambda m: m.moe_ffn_hidden_size, names=("w1", "w3", "w2"))])
+
+
+def gpt2_table(m: ModelConfig) -> NameTable:
+    """GPT-2: LayerNorms and linears with biases, learned positions, a packed [q; k; v] c_attn."""
+    ours, theirs = "decoder.layers.{layer}.", "transformer.h.{layer}."
+    layer = []
+    for our_norm, their_norm in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+        layer += [Rule(f"{ours}{our_norm}.{p}", (f"{theirs}{their_norm}.{p}",), lambda m: ((_h(m),),))
+                  for p in ("weight", "bias")]
+    layer += [Rule(ours + "self_attention.linear_qkv.weight", (theirs + "attn.c_attn.weight",),
+                   lambda m: ((_h(m), 3 * _h(m)),), transposed(PACKED_QKV)),
+              Rule(ours + "self_attention.linear_qkv.bias", (theirs + "attn.c_attn.bias",),
+                   lambda m: ((3 * _h(m),),), PACKED_QKV)]
+    for our_linear, their_linear, fan_in, fan_out in (
+            ("self_attention.linear_proj", "attn.c_proj", _h, _h),
+            ("mlp.linear_fc1", "mlp.c_fc", _h, lambda m: m.ffn_hidden_size),
+            ("mlp.linear_fc2", "mlp.c_proj", lambda m: m.ffn_hidden_size, _h)):
+        layer += [Rule(f"{ours}{our_linear}.weight", (f"{theirs}{their_linear}.weight",),
+                       lambda m, i=fan_in, o=fan_out: ((i(m), o(m)),), transposed(SAME)),
+                  Rule(f"{ours}{our_linear}.bias", (f"{theirs}{their_linear}.bias",),
+                       lambda m, o=fan_out: ((o(m),),))]
+    return NameTable(
+        head=[Rule("embedding.word_embeddings.weight", ("transformer.wte.weight",),
+                   lambda m: ((m.vocab_size, _h(m)),), VOCAB_ROWS),
+              Rule("embedding.position_embeddings", ("transformer.wpe.weight",),
+                   lambda m: ((m.max_position_embeddings, _h(m)),))],
+        layer=layer,
+        tail=[Rule("decoder.final_layernorm.weight", ("transformer.ln_f.weight",), lambda m: ((_h(m),),)),
+              Rule("decoder.final_layernorm.bias", ("transformer.ln_f.bias",), lambda m: ((_h(m),),)),
+              *_output_layer(m, "lm_head.weight")])
+
+
+NAME_TABLES: dict[str, Callable[[ModelConfig], NameTable]] = {
+    "llama": llama_table, "qwen2": llama_table, "qwen3": llama_table, "gpt2": gpt2_table, "mixtral": mixtral_table}
