@@ -1,0 +1,154 @@
+"""Activation bytes one rank holds at its peak in a training step: saved tensors per micro-batch, times the
+micro-batches the pipeline schedule keeps in flight, plus the largest transient of the step.
+
+What each layer saves for backward is read off the code (and checked against a CPU allocation tracker by
+benchmarks/plan_accuracy.py), per token of the rank's micro-batch, with e the bytes of an activation (2 in
+bf16/fp16, 4 in fp32) and tp-local widths:
+
+  each norm (input and pre-MLP)  its input in fp32 and its normalized fp32 intermediate (RMSNorm: 4h + 4h,
+                                 plus a 4-byte rstd; LayerNorm: e h input and 8 bytes of mean and rstd)
+  QKV and fc1 inputs             e h each (the whole sequence under sequence parallelism: the linear saves
+                                 the all-gathered input)
+  QKV output                     e (nh + 2 ng) d / tp, kept alive by the value heads attention saves
+  rotated q and k (RoPE)         e (nh + ng) d / tp; without RoPE the query copy e nh d / tp
+  attention output               e nh d / tp (also the output projection's input) and a 4-byte
+                                 log-sum-exp per head
+  MLP                            fc1 output e c ffn / tp (c = 2 for SwiGLU), the activation's output
+                                 e ffn / tp, and SwiGLU's product e ffn / tp
+
+Norms see s/tp tokens under sequence parallelism; everything else s (the local s/cp with context parallelism).
+Each chunk keeps its RoPE cos and sin tables. The last stage adds the final norm, the output layer's input e
+h, the loss's fp32 softmax 4 v / tp and per-token loss values; while the loss is computed the e v / tp logits
+coexist with it. Full recomputation keeps only each recomputed unit's input (e h on s/tp tokens) and rebuilds
+one unit's activations in backward; selective recomputation drops the attention's log-sum-exp (the other
+tensors it would free are saved by the neighbouring layers anyway).
+
+In flight: no pipelining 1 micro-batch; 1F1B min(P - p, m) on stage p; GPipe m; interleaved 1F1B
+min(2 (P - p - 1) + (v - 1) P + 1, m v) chunk micro-batches of L / (P v) layers each (schedules.py's
+warm-up counts plus the one in its steady state). The loss's tensors are live for one micro-batch at a
+time (GPipe: m).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.config import Config
+from megatron_lite.data.tokenizers import padded_vocab_size
+from megatron_lite.planning.state_memory import FP32, chunk_layers, param_bytes
+
+INDEX = 8  # int64 token ids and labels
+
+
+@dataclass
+class ActivationBytes:
+    """Activation bytes of one rank of a pipeline stage."""
+
+    per_microbatch: int  # saved by one micro-batch through all of this stage's layers (and the loss, last stage)
+    in_flight: float  # micro-batches (of the whole stage) the schedule holds at once
+    transient: int  # the largest short-lived buffer on top (logits beside the loss, a recomputed unit)
+    peak: int
+
+
+def _tokens(config: Config) -> tuple[int, int]:
+    """Tokens of one micro-batch on one rank: (all local tokens, tokens of the residual stream)."""
+    m, p, b = config.model, config.parallel, config.training.micro_batch_size
+    tokens = m.seq_length // p.context_parallel_size * b
+    return tokens, tokens // p.tensor_model_parallel_size if p.sequence_parallel else tokens
+
+
+def _norm_bytes(config: Config, e: int) -> int:
+    h = config.model.hidden_size
+    return 8 * h + FP32 if config.model.normalization == "RMSNorm" else e * h + 2 * FP32
+
+
+def layer_bytes(config: Config, layer_number: int) -> int:
+    """Bytes one micro-batch saves in one transformer layer without recomputation."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    e = param_bytes(config)
+    tokens, stream = _tokens(config)
+    h, d, nh, ng = m.hidden_size, m.head_dim, m.num_attention_heads // tp, m.num_query_groups // tp
+    per_token = e * h  # QKV input
+    per_token += e * (nh + 2 * ng) * d  # QKV output
+    per_token += e * (nh + ng) * d if m.position_embedding_type == "rope" else e * nh * d
+    lse = 0 if m.recompute_granularity == "selective" else FP32 * nh
+    per_token += e * nh * d + lse
+    per_token += e * h  # fc1 input
+    moe = m.num_experts and layer_number % m.moe_layer_freq == 0
+    ffn = m.moe_ffn_hidden_size * m.moe_router_topk if moe else m.ffn_hidden_size
+    ffn //= tp
+    per_token += e * ffn * (2 + 2) if m.swiglu else e * ffn * 2
+    return tokens * per_token + stream * 2 * _norm_bytes(config, e)
+
+
+def _recomputed_layers(config: Config, chunk_num_layers: int) -> list[bool]:
+    """Which layers of a chunk full recomputation covers (transformer.full_recompute_units)."""
+    m = config.model
+    if m.recompute_granularity != "full":
+        return [False] * chunk_num_layers
+    if m.recompute_method == "uniform":
+        return [True] * chunk_num_layers
+    covered = m.recompute_num_layers if m.recompute_num_layers is not None else chunk_num_layers
+    return [index < covered for index in range(chunk_num_layers)]
+
+
+def _unit_inputs(config: Config, chunk_num_layers: int) -> int:
+    """Checkpointed units of a chunk: uniform groups of --recompute-num-layers, else one per recomputed layer."""
+    m = config.model
+    recomputed = sum(_recomputed_layers(config, chunk_num_layers))
+    if m.recompute_method == "uniform":
+        return -(-chunk_num_layers // m.recompute_num_layers)
+    return recomputed
+
+
+def head_bytes(config: Config) -> tuple[int, int]:
+    """(saved, transient) bytes of the final norm, output layer and loss for one micro-batch."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    e = param_bytes(config)
+    tokens, stream = _tokens(config)
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
+    saved = stream * _norm_bytes(config, e) + tokens * (e * m.hidden_size + FP32 * vocab + INDEX + 1 + 3 * FP32)
+    return saved, tokens * e * vocab
+
+
+def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> ActivationBytes:
+    """Peak activation bytes of a rank of pipeline stage `pp_rank` under `schedule`
+    ("no_pipelining", "1f1b", "interleaved" or "gpipe")."""
+    p, m = config.parallel, config.model
+    e = param_bytes(config)
+    tokens, stream = _tokens(config)
+    pp, micro = p.pipeline_model_parallel_size, config.num_microbatches
+    chunks = chunk_layers(config, pp_rank)
+    chunk_saved, rebuild = [], 0
+    for chunk in chunks:
+        recomputed = _recomputed_layers(config, chunk.num_layers)
+        layers = [layer_bytes(config, chunk.layer_offset + i) for i in range(chunk.num_layers)]
+        saved = sum(size for size, again in zip(layers, recomputed) if not again)
+        saved += _unit_inputs(config, chunk.num_layers) * stream * e
+        if m.position_embedding_type == "rope":  # each chunk's cos and sin tables, [s/cp, 1, 1, d] fp32
+            saved += 2 * FP32 * (m.seq_length // p.context_parallel_size) * m.head_dim
+        if chunk.pre_process:
+            saved += tokens * INDEX
+        elif e != FP32:  # the received bf16/fp16 input, beside the fp32 copy the first norm saves
+            saved += stream * e
+        if not chunk.post_process:  # the output kept for the backward the next stage sends back
+            saved += stream * e
+        chunk_saved.append(saved)
+        if any(recomputed):
+            unit = m.recompute_num_layers if m.recompute_method == "uniform" else 1
+            rebuild = max(rebuild, unit * max(layers))
+    head_saved, head_transient = head_bytes(config) if chunks[-1].post_process else (0, 0)
+    per_microbatch = sum(chunk_saved) + head_saved
+    v = len(chunks)
+    if schedule == "gpipe":
+        in_flight, head_live = micro, micro
+    elif schedule == "interleaved":
+        in_flight = min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, micro * v) / v
+        head_live = 1
+    elif schedule == "1f1b":
+        in_flight, head_live = min(pp - pp_rank, micro), 1
+    else:
+        in_flight, head_live = 1, 1
+    held = in_flight * sum(chunk_saved) + head_live * head_saved
+    transient = max(head_transient, rebuild)
+    return ActivationBytes(per_microbatch, in_flight, transient, round(held + transient))

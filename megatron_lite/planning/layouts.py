@@ -1,0 +1,132 @@
+"""Layouts of a model on a cluster: enumerate the valid ones, predict each one's memory and step time.
+
+A layout is a set of Megatron flags (TP with sequence parallelism, CP, PP, virtual stages, EP, the ZeRO
+stage, recomputation) plus two modelled choices, the pipeline schedule and the share of the optimizer
+state offloaded to the host. Validity is decided by validation.py, through config.make_config, exactly as a
+launch with those flags would decide it; a layout is then planned per pipeline stage (stages differ: the
+first holds the embedding and the most micro-batches in flight, the last the output layer and the loss).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from megatron_lite.config import Config, make_config
+from megatron_lite.planning.activation_memory import ActivationBytes, stage_activation_bytes
+from megatron_lite.planning.state_memory import StateBytes, stage_state_bytes
+from megatron_lite.planning.step_time import Hardware, StepTime, predict_step_time
+from megatron_lite.validation import ConfigError
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},
+             "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage: the bytes each of its ranks holds."""
+
+    pp_rank: int
+    first_rank: int  # its lowest global rank (rank order tp, cp, dp, pp)
+    state: StateBytes
+    activations: ActivationBytes
+
+    @property
+    def total(self) -> int:
+        return self.state.total + self.activations.peak
+
+
+@dataclass
+class Plan:
+    """A layout's predicted per-stage memory and step time on a cluster with `memory_bytes` per GPU."""
+
+    config: Config
+    schedule: str
+    offload_fraction: float
+    stages: list[StagePlan]
+    step_time: StepTime
+    memory_bytes: int
+    flags: dict = field(default_factory=dict)
+
+    @property
+    def largest(self) -> StagePlan:
+        return max(self.stages, key=lambda stage: stage.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.largest.total <= self.memory_bytes
+
+    @property
+    def over_by(self) -> int:
+        """Bytes by which the fullest rank exceeds the GPU's memory (0 when it fits)."""
+        return max(self.largest.total - self.memory_bytes, 0)
+
+
+def schedule_of(config: Config, gpipe: bool = False) -> str:
+    """The schedule training.get_schedule runs for this layout ("gpipe" when asked for and pipelined)."""
+    if config.parallel.pipeline_model_parallel_size == 1:
+        return "no_pipelining"
+    if config.virtual_pipeline_stages is not None:
+        return "interleaved"
+    return "gpipe" if gpipe else "1f1b"
+
+
+def plan_layout(config: Config, memory_bytes: int, hardware: Hardware, schedule: str | None = None,
+                offload_fraction: float = 0.0, flags: dict | None = None) -> Plan:
+    """Memory per stage and step time of a validated configuration."""
+    schedule = schedule or schedule_of(config)
+    p = config.parallel
+    ranks_per_stage = p.tensor_model_parallel_size * p.context_parallel_size * p.data_parallel_size
+    stages = [StagePlan(stage, stage * ranks_per_stage, stage_state_bytes(config, stage, 0, offload_fraction),
+                        stage_activation_bytes(config, stage, schedule))
+              for stage in range(p.pipeline_model_parallel_size)]
+    busiest = max(stages, key=lambda stage: stage.state.numel).state
+    return Plan(config, schedule, offload_fraction, stages, predict_step_time(config, schedule, busiest, hardware),
+                memory_bytes, flags or {})
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0 and (limit is None or d <= limit)]
+
+
+def candidate_flags(base: dict, world_size: int, gpus_per_node: int, schedules: tuple[str, ...],
+                    strategies=STRATEGIES, recompute=tuple(RECOMPUTE)):
+    """(layout flags, schedule) pairs to try: TP within a node (with sequence parallelism), CP, PP with 1, 2 or 4
+    virtual stages, EP for MoE models, every ZeRO stage and recomputation choice."""
+    experts = base.get("num_experts") or 0
+    for tp, cp, pp in itertools.product(_divisors(world_size, gpus_per_node), _divisors(world_size),
+                                        _divisors(world_size)):
+        if world_size % (tp * cp * pp):
+            continue
+        dp_cp = world_size // (tp * pp)
+        for ep, vp, strategy, recompute_name in itertools.product(
+                [ep for ep in _divisors(dp_cp) if experts and experts % ep == 0] or [1],
+                (1, 2, 4) if pp > 1 else (1,), strategies, recompute):
+            flags = {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1, "context_parallel_size": cp,
+                     "pipeline_model_parallel_size": pp, "expert_model_parallel_size": ep,
+                     "data_parallel_sharding_strategy": strategy, **RECOMPUTE[recompute_name]}
+            if vp > 1:
+                flags["num_virtual_stages_per_pipeline_rank"] = vp
+            for schedule in schedules:
+                if schedule == "gpipe" and (pp == 1 or vp > 1):
+                    continue
+                yield flags, schedule
+
+
+def enumerate_plans(base: dict, world_size: int, memory_bytes: int, hardware: Hardware,
+                    schedules: tuple[str, ...] = ("1f1b",), offload_fractions: tuple[float, ...] = (0.0,),
+                    ) -> tuple[list[Plan], int]:
+    """Every valid layout's plan, fastest first; and how many candidates validation refused."""
+    plans, refused = [], 0
+    for flags, schedule in candidate_flags(base, world_size, hardware.gpus_per_node, schedules):
+        try:
+            config = make_config({**base, **flags}, world_size)
+        except ConfigError:
+            refused += 1
+            continue
+        for fraction in offload_fractions:
+            plans.append(plan_layout(config, memory_bytes, hardware, schedule_of(config, schedule == "gpipe"),
+                                     fraction, flags))
+    plans.sort(key=lambda plan: plan.step_time.total)
+    return plans, refused

@@ -1,0 +1,198 @@
+"""Bytes of parameters, gradients and optimizer state one rank holds between steps, as the code lays them out.
+
+The prediction retraces what the model and optimizer build, without building them: the parameter shapes
+of each model chunk in `module.parameters()` order (model/gpt.py, transformer.py, attention.py, mlp.py,
+moe.py: a module's own parameters before its children's), the vocabulary padded to a multiple of
+--make-vocab-size-divisible-by x TP, the buckets of optim/grad_buffer.py (parameters in reverse order,
+about --ddp-bucket-size elements each, never spanning two ZeRO-3 units, the isolated tied-embedding copy,
+each padded to a multiple of its data-parallel group) and what each ZeRO stage keeps of them:
+
+  params     no_shard: every parameter in its own storage; optim/optim_grads: each bucket's padded buffer;
+             optim_grads_params: this rank's shard of each bucket (parameter dtype)
+  grads      fp32; the padded buckets (no_shard, optim) or this rank's shards (optim_grads(_params))
+  optimizer  fp32 masters of bf16/fp16 weights and two fp32 Adam moments, for every element this rank steps:
+             whole parameters (no_shard) or its part of each bucket's real elements (sharded)
+
+A fraction of the optimizer state may be held in host memory instead (--optimizer-cpu-offload); the
+device then holds the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.config import Config
+from megatron_lite.data.tokenizers import padded_vocab_size
+from megatron_lite.validation import pipeline_stage_layers
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One local parameter as the gradient buffers see it."""
+
+    numel: int
+    expert: bool = False
+    unit: int = -1  # ZeRO-3 gathering unit: the chunk-local layer index, -1 for the rest of the chunk
+    isolated: bool = False  # the tied-embedding copy that the first and last stage keep equal
+
+
+@dataclass(frozen=True)
+class ChunkLayers:
+    """The layers one model chunk holds and whether it has the embedding (first) or output layer (last)."""
+
+    layer_offset: int
+    num_layers: int
+    pre_process: bool
+    post_process: bool
+
+
+@dataclass
+class StateBytes:
+    """Bytes one rank holds between steps (device), and the optimizer bytes moved to the host."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    optimizer_on_host: int = 0
+    numel: int = 0  # local parameter elements (what the model's parameters() count)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def param_bytes(config: Config) -> int:
+    """Bytes per model weight: 2 with --bf16/--fp16, else 4."""
+    o = config.optimizer
+    return 2 if (o.bf16 or o.fp16) else FP32
+
+
+def chunk_layers(config: Config, pp_rank: int) -> list[ChunkLayers]:
+    """The model chunks of pipeline stage `pp_rank` (several with virtual stages), as training.py builds them."""
+    pp = config.parallel.pipeline_model_parallel_size
+    chunks = config.virtual_pipeline_stages or 1
+    per_chunk = [count // chunks for count in pipeline_stage_layers(config)]
+    return [ChunkLayers(c * sum(per_chunk) + sum(per_chunk[:pp_rank]), per_chunk[pp_rank],
+                        c == 0 and pp_rank == 0, c == chunks - 1 and pp_rank == pp - 1) for c in range(chunks)]
+
+
+def _linear(out_features: int, in_features: int, bias: bool, tp_dim: int | None, tp: int) -> list[int]:
+    """Weight [out, in] (split over TP along tp_dim) and optional bias [out] (split with a column split)."""
+    out_local = out_features // tp if tp_dim == 0 else out_features
+    in_local = in_features // tp if tp_dim == 1 else in_features
+    return [out_local * in_local] + ([out_local] if bias else [])
+
+
+def _norm(config: Config, size: int) -> list[int]:
+    return [size, size] if config.model.normalization == "LayerNorm" else [size]
+
+
+def _layer_params(config: Config, layer_number: int, unit: int) -> list[ParamShape]:
+    """One TransformerLayer's parameters in registration order."""
+    m, tp, ep = config.model, config.parallel.tensor_model_parallel_size, config.parallel.expert_model_parallel_size
+    h, d = m.hidden_size, m.head_dim
+    bias = not m.disable_bias_linear
+    dense = [*_norm(config, h), *_linear((m.num_attention_heads + 2 * m.num_query_groups) * d, h,
+                                         bias or m.add_qkv_bias, 0, tp)]
+    if m.qk_layernorm:
+        dense += _norm(config, d) * 2
+    dense += _linear(h, m.num_attention_heads * d, bias, 1, tp) + _norm(config, h)
+    chunks = 2 if m.swiglu else 1
+    expert = []
+    if m.num_experts and layer_number % m.moe_layer_freq == 0:
+        dense.append(m.num_experts * h)  # the router, replicated
+        for _ in range(m.num_experts // ep):
+            expert += [chunks * m.moe_ffn_hidden_size // tp * h, h * (m.moe_ffn_hidden_size // tp)]
+    else:
+        dense += _linear(chunks * m.ffn_hidden_size, h, bias, 0, tp) + _linear(h, m.ffn_hidden_size, bias, 1, tp)
+    return [ParamShape(n, unit=unit) for n in dense] + [ParamShape(n, expert=True, unit=unit) for n in expert]
+
+
+def chunk_params(config: Config, chunk: ChunkLayers) -> list[ParamShape]:
+    """A GPTModel chunk's parameters in `module.parameters()` order."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
+    tied = not m.untie_embeddings_and_output_weights
+    split_tied = tied and chunk.pre_process != chunk.post_process
+    params = []
+    if chunk.pre_process:
+        if m.position_embedding_type == "learned_absolute":  # the Embedding's own parameter, before its child's
+            params.append(ParamShape(m.max_position_embeddings * m.hidden_size))
+        params.append(ParamShape(vocab_rows * m.hidden_size, isolated=split_tied))
+    for index in range(chunk.num_layers):
+        params += _layer_params(config, chunk.layer_offset + index, index)
+    if chunk.post_process:
+        params += [ParamShape(n) for n in _norm(config, m.hidden_size)]
+        if not (tied and chunk.pre_process):  # one stage with tied embeddings: the output reads the input table
+            params.append(ParamShape(vocab_rows * m.hidden_size, isolated=split_tied))
+    return params
+
+
+def _cut_buckets(params: list[ParamShape], bucket_size: int, zero3: bool) -> list[list[ParamShape]]:
+    """grad_buffer.cut_buckets on shapes: consecutive parameters (in backward order) up to about bucket_size
+    elements, a new bucket at every ZeRO-3 unit boundary and around each isolated parameter."""
+    buckets, current, size = [], [], 0
+    for param in params:
+        if current and (size >= bucket_size or param.isolated or current[-1].isolated
+                        or (zero3 and param.unit != current[-1].unit)):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(param)
+        size += param.numel
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def chunk_state_bytes(config: Config, chunk: ChunkLayers, dp_rank: int = 0, offload_fraction: float = 0.0
+                      ) -> StateBytes:
+    """What one model chunk costs the rank at index `dp_rank` of its dp x cp group (its index in the
+    expert-data-parallel group is dp_rank // ep, as parallel/state.py orders ranks). Index 0 holds the most:
+    the padding of a bucket falls in the last ranks' shards."""
+    p = config.parallel
+    strategy = p.data_parallel_sharding_strategy
+    weight = param_bytes(config)
+    masters = 0 if weight == FP32 else FP32
+    dense_group = p.data_parallel_size * p.context_parallel_size
+    groups = {False: dense_group, True: dense_group // p.expert_model_parallel_size}
+    params = chunk_params(config, chunk)
+    state = StateBytes(numel=sum(param.numel for param in params))
+    optimizer_elements = 0
+    for expert in (False, True):
+        members = [param for param in params if param.expert == expert][::-1]
+        if not members:
+            continue
+        size = groups[expert]
+        rank = dp_rank // p.expert_model_parallel_size if expert else dp_rank
+        for bucket in _cut_buckets(members, p.ddp_bucket_size, strategy == "optim_grads_params"):
+            real = sum(param.numel for param in bucket)
+            numel = _round_up(real, size)
+            shard = numel // size
+            if strategy == "no_shard":
+                state.params += real * weight
+                state.grads += numel * FP32
+                optimizer_elements += real
+                continue
+            state.params += (shard if strategy == "optim_grads_params" else numel) * weight
+            state.grads += (numel if strategy == "optim" else shard) * FP32
+            optimizer_elements += min(max(real - rank * shard, 0), shard)
+    optimizer = optimizer_elements * (masters + 2 * FP32)
+    state.optimizer_on_host = round(optimizer * offload_fraction)
+    state.optimizer = optimizer - state.optimizer_on_host
+    return state
+
+
+def stage_state_bytes(config: Config, pp_rank: int, dp_rank: int = 0, offload_fraction: float = 0.0) -> StateBytes:
+    """Parameters, gradients and optimizer state of a rank of pipeline stage `pp_rank`, all its chunks."""
+    total = StateBytes()
+    for chunk in chunk_layers(config, pp_rank):
+        part = chunk_state_bytes(config, chunk, dp_rank, offload_fraction)
+        for name in ("params", "grads", "optimizer", "optimizer_on_host", "numel"):
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+    return total

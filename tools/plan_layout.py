@@ -1,0 +1,108 @@
+"""Which layouts of a model fit a cluster, and which is fastest: per-rank memory and a roofline step time.
+
+    python tools/plan_layout.py --model-preset llama3-8b --world-size 8 --global-batch-size 64
+    python tools/plan_layout.py --model-preset llama3-8b --world-size 64 --global-batch-size 512 --json
+    python tools/plan_layout.py --model-preset llama3-8b --world-size 8 --global-batch-size 64 \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --use-distributed-optimizer
+
+Model and training flags are pretrain_gpt.py's (a --model-preset, --seq-length, --micro-batch-size, --bf16, ...).
+Without layout flags every valid layout is planned (validation.py decides validity) and listed by predicted
+step time, those that do not fit marked with the GiB they are over; with layout flags (--tensor-model-parallel-size,
+--pipeline-model-parallel-size, --context-parallel-size, --expert-model-parallel-size, a virtual-stage flag, a ZeRO
+or recomputation flag) that one layout is planned per pipeline stage, and refused (exit status 1) when a rank
+would not fit, naming the rank and the bytes by which it is over. How each figure is predicted:
+megatron_lite/planning/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_lite.config import build_parser, make_config  # noqa: E402
+from megatron_lite.errors import UserError  # noqa: E402
+from megatron_lite.planning import report  # noqa: E402
+from megatron_lite.planning.layouts import enumerate_plans, plan_layout, schedule_of  # noqa: E402
+from megatron_lite.planning.step_time import Hardware  # noqa: E402
+
+LAYOUT_FLAGS = {"tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+                "expert_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                "num_virtual_stages_per_pipeline_rank", "use_distributed_optimizer", "data_parallel_sharding_strategy",
+                "recompute_granularity"}
+
+
+def planner_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    parser.add_argument("--world-size", type=int, required=True, help="GPUs (ranks) in the job")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--tflops", type=float, default=400.0, help="sustained GEMM TFLOP/s per GPU (default 400)")
+    parser.add_argument("--intra-node-gbps", type=float, default=200.0, help="GB/s per GPU within a node")
+    parser.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU across nodes")
+    parser.add_argument("--host-gbps", type=float, default=25.0, help="GB/s between a GPU and host memory")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe"],
+                        help="non-interleaved pipeline schedules to consider (virtual stages are interleaved 1F1B)")
+    parser.add_argument("--offload-fractions", nargs="+", type=float, default=[0.0],
+                        help="shares of the optimizer state held in host memory to consider (0 to 1)")
+    parser.add_argument("--top", type=int, default=20, help="layouts to list (default 20; 0: all)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = planner_parser().parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        planner_parser().print_help()
+        print("\nand pretrain_gpt.py's model and training flags (pretrain_gpt.py --help)")
+        return 0
+    flags = vars(build_parser().parse_args(rest))
+    if "config" in flags:
+        sys.exit("plan_layout.py: error: pass flags, not --config")
+    values = {"mock_data": True, **flags}
+    hardware = Hardware(args.tflops, args.intra_node_gbps * 1e9, args.inter_node_gbps * 1e9, args.host_gbps * 1e9,
+                        args.gpus_per_node)
+    memory = int(args.gpu_memory_gib * report.GIB)
+    try:
+        if LAYOUT_FLAGS & flags.keys():
+            return _check_one(values, args, memory, hardware)
+        plans, refused = enumerate_plans(values, args.world_size, memory, hardware, tuple(args.schedules),
+                                         tuple(args.offload_fractions))
+    except UserError as error:
+        print(f"plan_layout.py: error: {error}", file=sys.stderr)
+        return 2
+    top = args.top or None
+    if args.json:
+        print(json.dumps({"world_size": args.world_size, "gpu_memory_bytes": memory, "refused_by_validation": refused,
+                          "layouts": [report.plan_record(plan) for plan in plans[:top]]}, indent=1))
+        return 0
+    fitting = [plan for plan in plans if plan.fits]
+    print(f"{len(plans)} valid layouts ({refused} refused by validation), {len(fitting)} fit in "
+          f"{args.gpu_memory_gib:g} GiB; fastest first:")
+    print("\n".join(report.table_lines(plans, top)))
+    if fitting:
+        print("\nthe fastest that fits, per rank:")
+        print("\n".join(report.plan_lines(fitting[0])))
+    return 0
+
+
+def _check_one(values: dict, args, memory: int, hardware: Hardware) -> int:
+    """Plan the one layout the flags give; refuse it (status 1) when a rank does not fit."""
+    config = make_config(values, args.world_size)
+    schedule = schedule_of(config, args.schedules == ["gpipe"])
+    plan = plan_layout(config, memory, hardware, schedule, args.offload_fractions[0])
+    if args.json:
+        print(json.dumps(report.plan_record(plan), indent=1))
+    else:
+        print("\n".join(report.plan_lines(plan)))
+    if not plan.fits:
+        print(f"plan_layout.py: {report.refusal(plan)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
