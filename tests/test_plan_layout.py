@@ -1,0 +1,92 @@
+"""The layout planner: its parameter, gradient and optimizer bytes are those the built model and optimizer
+allocate on every rank (tiny models in 4-rank worlds: TP+SP, PP with tied and untied embeddings, virtual
+stages, MoE with EP, every ZeRO stage, small buckets so that padding shows); a layout that cannot fit is
+refused naming the rank and the bytes over; --json lists valid layouts fastest first."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import pretrain_gpt
+from megatron_lite.config import make_config
+from megatron_lite.optim.distributed_optimizer import build_optimizer
+from megatron_lite.planning.state_memory import stage_state_bytes
+from megatron_lite.training import build_model, initialize
+from tests.harness import run_on_ranks
+from tools import plan_layout
+
+LLAMA = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 96,
+         "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 250, "seq_length": 32,
+         "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": 8}
+GPT = {**LLAMA, "model_preset": "gpt2-124m", "untie_embeddings_and_output_weights": False}
+LAYOUTS = {
+    "tp2_sp_dp2_zero1_bf16_small_buckets": {**LLAMA, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                           "use_distributed_optimizer": True, "bf16": True,
+                                           "ddp_bucket_size": 5000},
+    "pp2_dp2_tied_gpt_no_shard_fp32": {**GPT, "pipeline_model_parallel_size": 2},
+    "pp2_vp2_dp2_zero3_bf16": {**LLAMA, "pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
+                               "data_parallel_sharding_strategy": "optim_grads_params", "bf16": True,
+                               "ddp_bucket_size": 3000},
+    "dp4_ep2_moe_zero2_bf16": {**LLAMA, "model_preset": "mixtral-tiny", "num_experts": 4,
+                               "expert_model_parallel_size": 2, "data_parallel_sharding_strategy": "optim_grads",
+                               "bf16": True, "ddp_bucket_size": 7000},
+    "tp2_dp2_qk_norm_qkv_bias_zero2_fp32": {**LLAMA, "tensor_model_parallel_size": 2, "qk_layernorm": True,
+                                            "add_qkv_bias": True, "data_parallel_sharding_strategy": "optim_grads"},
+}
+
+
+def built_and_planned(values: dict, world_size: int) -> dict:
+    """This rank's allocated bytes of parameters, gradients and optimizer state, beside the planner's."""
+    config = make_config(values, world_size)
+    pstate, device = initialize(config)
+    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+    optimizer = build_optimizer(config, model, pstate)
+    held = {"params": 0, "grads": 0}
+    for chunk in model:
+        for kind, size in chunk.memory_footprint().items():
+            held[kind] += size
+    held["optimizer"] = sum(optimizer.memory_footprint().values())
+    planned = stage_state_bytes(config, pstate.pp_rank, pstate.cp_rank + pstate.cp_size * pstate.dp_rank)
+    return {"built": held, "planned": {"params": planned.params, "grads": planned.grads,
+                                       "optimizer": planned.optimizer}}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_planned_state_bytes_equal_the_built_model_on_every_rank(name):
+    for rank, result in enumerate(run_on_ranks(4, built_and_planned, LAYOUTS[name], 4)):
+        assert result["planned"] == result["built"], f"rank {rank}"
+
+
+def test_a_layout_that_cannot_fit_is_refused_with_the_rank_and_bytes_over(capsys):
+    # Llama-3 8B unsharded in bf16: 8.03e9 parameters x (2 weight + 4 grad + 12 optimizer) bytes on every rank.
+    flags = ["--model-preset", "llama3-8b", "--world-size", "8", "--global-batch-size", "8", "--bf16",
+             "--tensor-model-parallel-size", "1", "--gpu-memory-gib", "80"]
+    assert plan_layout.main(flags) == 1
+    message = capsys.readouterr().err.strip()
+    assert message.startswith("plan_layout.py: layout tp1 cp1 pp1 vp1 dp8 no-ZeRO")
+    assert "rank 0 (pipeline stage 0)" in message
+    over = int(message.split("over by ")[1].split(" bytes")[0].replace(",", ""))
+    assert over >= 8.03e9 * 18 - 80 * 2**30
+    assert plan_layout.main([*flags, "--json"]) == 1
+    record = json.loads(capsys.readouterr().out)
+    assert record["over_by_bytes"] == over == record["max_rank_bytes"] - 80 * 2**30
+    assert plan_layout.main([*flags[:-2], "--gpu-memory-gib", str(record["max_rank_bytes"] / 2**30)]) == 0
+
+
+def test_json_lists_valid_layouts_fastest_first(capsys):
+    assert plan_layout.main(["--model-preset", "llama-tiny", "--world-size", "4", "--global-batch-size", "8",
+                             "--gpu-memory-gib", "0.01", "--top", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    layouts = out["layouts"]
+    times = [layout["step_time_s"] for layout in layouts]
+    assert times == sorted(times) and len(layouts) > 20
+    assert {layout["fits"] for layout in layouts} == {True, False}
+    for layout in layouts:
+        make_config({"model_preset": "llama-tiny", "mock_data": True, "global_batch_size": 8, **layout["flags"]}, 4)
+        assert layout["max_rank_bytes"] == max(stage["total_bytes"] for stage in layout["stages"])
+        assert layout["fits"] == (layout["max_rank_bytes"] <= out["gpu_memory_bytes"])
+        for stage in layout["stages"]:
+            assert stage["total_bytes"] == (stage["params_bytes"] + stage["grads_bytes"] + stage["optimizer_bytes"]
+                                            + stage["activation_peak_bytes"])
