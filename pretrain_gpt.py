@@ -54,7 +54,7 @@ def forward_step(data_iterator, model):
     host: attention plans its blocks from them there."""
     from megatron_lite.model.context_parallel import get_batch_on_this_cp_rank
 
-    pstate = getattr(model, "module", model).pstate
+    pstate = model.pstate
     batch = get_batch_on_this_cp_rank(next(data_iterator), pstate)
     device = next(model.parameters()).device
     tokens, labels = batch["tokens"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)

@@ -30,6 +30,7 @@ from megatron_lite.optim.grad_buffer import DistributedDataParallel
 from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import lifecycle, mappings
+from megatron_lite.parallel.random import set_random_seed
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
 from megatron_lite.profiling import StepProfiler
@@ -58,7 +59,7 @@ def initialize(config: Config) -> tuple[ParallelState, torch.device]:
     if world_size > 1:
         lifecycle.join(device, timeout)
     pstate = ParallelState.build(layout, timeout) if world_size > 1 else ParallelState.single()
-    torch.manual_seed(config.training.seed)
+    set_random_seed(config.training.seed, pstate.pp_rank)
     return pstate, device
 
 

@@ -15,7 +15,7 @@ from megatron_lite.config import make_config
 from megatron_lite.model.attention import CoreAttention
 from megatron_lite.model.sharding import unshard
 from megatron_lite.model.transformer import HiddenDropout
-from megatron_lite.parallel.random import RNGTracker
+from megatron_lite.parallel.random import RNGTracker, set_random_seed
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.training import ChunkPlan, model_chunk_plans
 from tests.harness import run_on_ranks
@@ -30,6 +30,7 @@ DROPOUT_MODEL = {"model_preset": "gpt2-124m", "num_layers": 2, "hidden_size": 64
 
 
 def draws(pstate):
+    set_random_seed(SEED, pstate.pp_rank)
     tracker = RNGTracker(SEED, pstate.tp_rank, pstate.pp_rank, torch.device("cpu"))
     first = torch.rand(8)
     with tracker.fork():
@@ -37,7 +38,7 @@ def draws(pstate):
     second = torch.rand(8)
     with tracker.fork():
         tensor_parallel_next = torch.rand(8)
-    RNGTracker(SEED, pstate.tp_rank, pstate.pp_rank, torch.device("cpu"))
+    set_random_seed(SEED, pstate.pp_rank)
     default_without_fork = torch.rand(16)
     masks = {}
     for sp in (False, True):
@@ -54,6 +55,7 @@ def draws(pstate):
 def dropout_model_step(pstate, values: dict):
     """Hidden states and gathered gradients of a training step with dropout."""
     config = make_config(values, 4)
+    set_random_seed(config.training.seed, pstate.pp_rank)
     model = pretrain_gpt.model_provider(config, pstate, model_chunk_plans(config, 0)[0], torch.device("cpu"))
     tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(0))
     model.train()

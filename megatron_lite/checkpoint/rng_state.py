@@ -13,11 +13,6 @@ import torch
 from megatron_lite.config import Config
 
 
-def _modules(model: list) -> list[torch.nn.Module]:
-    """The model chunks without their data-parallel wrappers."""
-    return [getattr(chunk, "module", chunk) for chunk in model]
-
-
 def layout_tag(config: Config, device: torch.device) -> str:
     """Which generator states a rank has: they only carry over to the same ranks of the same layout."""
     p = config.parallel
@@ -27,7 +22,8 @@ def layout_tag(config: Config, device: torch.device) -> str:
 
 
 def _rng_trackers(model: list) -> list:
-    return [getattr(getattr(module, "decoder", None), "rng_tracker", None) for module in _modules(model)]
+    """Every chunk's trackers (model/contract.py), in chunk order."""
+    return [tracker for chunk in model for tracker in chunk.rng_trackers()]
 
 
 def rng_states(model: list, device: torch.device) -> dict[str, torch.Tensor]:
@@ -37,8 +33,7 @@ def rng_states(model: list, device: torch.device) -> dict[str, torch.Tensor]:
     if device.type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
     for index, tracker in enumerate(_rng_trackers(model)):
-        if tracker is not None:
-            states[f"tracker_{index}"] = tracker.state
+        states[f"tracker_{index}"] = tracker.state
     return states
 
 
@@ -47,5 +42,4 @@ def set_rng_states(model: list, device: torch.device, states: dict[str, torch.Te
     if device.type == "cuda":
         torch.cuda.set_rng_state(states["cuda"], device)
     for index, tracker in enumerate(_rng_trackers(model)):
-        if tracker is not None:
-            tracker.state = states[f"tracker_{index}"].clone()
+        tracker.state = states[f"tracker_{index}"].clone()

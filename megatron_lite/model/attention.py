@@ -205,7 +205,7 @@ class CoreAttention(torch.nn.Module):
     """
 
     def __init__(self, dropout: float, backend: str, rng_tracker: RNGTracker | None, cp_group=None,
-                 hierarchical_cp_groups: tuple | None = None):
+                 hierarchical_cp_groups: tuple | None = None, cp_comm_type: str = "p2p"):
         super().__init__()
         if cp_group is not None and dropout > 0:
             raise ValueError("attention dropout is not supported with context parallelism; set it to 0")
@@ -214,7 +214,7 @@ class CoreAttention(torch.nn.Module):
         self.rng_tracker = rng_tracker
         self.cp_group = cp_group
         self.hierarchical_cp_groups = hierarchical_cp_groups  # (a2a, p2p) subgroups of cp, for a2a+p2p
-        self.cp_comm_type = "p2p"
+        self.cp_comm_type = cp_comm_type
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -301,7 +301,7 @@ class SelfAttention(torch.nn.Module):
     output projection (row-parallel)."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool,
-                 backend: str, rng_tracker: RNGTracker | None):
+                 backend: str, rng_tracker: RNGTracker | None, cp_comm_type: str = "p2p"):
         super().__init__()
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_groups = config.num_query_groups // pstate.tp_size
@@ -315,10 +315,10 @@ class SelfAttention(torch.nn.Module):
         else:
             self.q_layernorm = self.k_layernorm = None
         self.core_attention = CoreAttention(config.attention_dropout, backend, rng_tracker, pstate.group("cp"),
-                                            (pstate.group("cp_a2a"), pstate.group("cp_p2p")))
+                                            (pstate.group("cp_a2a"), pstate.group("cp_p2p")), cp_comm_type)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              pstate, bias=bias, sequence_parallel=sequence_parallel)
-        self.recompute_core_attention = False
+        self.recompute_core_attention = config.recompute_granularity == "selective"
 
     def forward(self, x: torch.Tensor, positions: Positions | None, kv_cache=None) -> torch.Tensor:
         """`positions` None: no RoPE and plain causal attention. `kv_cache` (generation only, see generation.py)

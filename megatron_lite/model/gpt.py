@@ -5,7 +5,8 @@ One class covers GPT-2 (LayerNorm, GELU, learned positions, biases, tied embeddi
 contiguous range of layers, with the embedding only on the first pipeline stage (`pre_process`) and
 the output layer only on the last (`post_process`); the pipeline schedule feeds the others through
 `set_input_tensor`. Parameters have global names (`decoder.layers.<global index>...`) that decide
-their initial values and their checkpoint keys, so neither depends on the layout.
+their initial values and their checkpoint keys, so neither depends on the layout. GPTModel is a model
+chunk as model/contract.py defines one.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class GPTModel(torch.nn.Module):
         self.share_embeddings = not config.untie_embeddings_and_output_weights
         self.input_tensor = None
         num_layers = config.num_layers if num_layers is None else num_layers
-        tracker = RNGTracker(seed, pstate.tp_rank, pstate.pp_rank, device, layer_offset)
+        self.rng_tracker = tracker = RNGTracker(seed, pstate.tp_rank, pstate.pp_rank, device, layer_offset)
         backend = choose_attention_backend(config.attention_backend, device)
         with device:  # parameters and buffers are made where they live, not on the host and then copied
             if pre_process:
@@ -87,18 +88,15 @@ class GPTModel(torch.nn.Module):
             for number in range(layer_offset, layer_offset + num_layers):
                 mlp = mlp_factory(number) if mlp_factory is not None else None
                 layers.append(TransformerLayer(config, pstate, number, sequence_parallel=sequence_parallel,
-                                               attention_backend=backend, rng_tracker=tracker, mlp=mlp))
-                layers[-1].self_attention.core_attention.cp_comm_type = cp_comm_type
+                                               attention_backend=backend, rng_tracker=tracker, mlp=mlp,
+                                               cp_comm_type=cp_comm_type))
             self.decoder = TransformerBlock(layers, config, final_norm=post_process,
                                             sequence_parallel=sequence_parallel, rng_tracker=tracker)
-            if post_process:
-                self.output_layer = ColumnParallelLinear(config.hidden_size, padded_vocab, pstate, bias=False,
-                                                         sequence_parallel=sequence_parallel)
-                self.output_layer.weight.spec.valid_rows = config.vocab_size
-                if self.share_embeddings and pre_process:
-                    self.output_layer.weight = None  # the output layer reads the input embedding table
-                elif self.share_embeddings:
-                    self.output_layer.weight.is_embedding_copy = True  # kept equal to the first stage's
+            if post_process:  # with tied embeddings: reads the input table, or holds a copy of the first stage's
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, padded_vocab, pstate, bias=False, sequence_parallel=sequence_parallel,
+                    valid_rows=config.vocab_size, skip_weight_param_allocation=self.share_embeddings and pre_process,
+                    tied_copy=self.share_embeddings and not pre_process)
         initialize_parameters(self.named_global_parameters(), seed, config.init_method_std, config.num_layers,
                               pstate.tp_rank, pstate.tp_size)
 
@@ -127,6 +125,12 @@ class GPTModel(torch.nn.Module):
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Activations from the previous pipeline stage, used instead of the embedding."""
         self.input_tensor = tensor
+
+    def sharding_units(self) -> list[TransformerLayer]:
+        return list(self.decoder.layers)
+
+    def rng_trackers(self) -> list[RNGTracker]:
+        return [self.rng_tracker]
 
     # ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor,

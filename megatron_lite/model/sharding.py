@@ -29,6 +29,8 @@ class ShardSpec:
                    parallelism, and the q/k norms of --qk-layernorm, which see only the rank's heads
     expert         an expert weight: gradients are reduced over the expert-data-parallel group
     valid_rows     rows beyond this index are vocabulary padding, initialized to zero and never used
+    tied_copy      the last pipeline stage's copy of tied word embeddings: kept equal to the first stage's
+                   table, which alone counts it (in the gradient norm)
     """
 
     global_shape: tuple[int, ...]
@@ -38,6 +40,7 @@ class ShardSpec:
     sequence_parallel: bool = False
     expert: bool = False
     valid_rows: int | None = None
+    tied_copy: bool = False
 
 
 def new_parameter(spec: ShardSpec, tp_size: int, dtype=torch.float32, device=None) -> torch.nn.Parameter:

@@ -24,18 +24,22 @@ class ColumnParallelLinear(torch.nn.Module):
     """Y = X A^T + b with A split along its output rows: [.., in] -> [.., out/tp] on each rank.
 
     `tp_chunks=2` is for fused weights such as SwiGLU's [gate; up]: each half is split separately, so
-    every rank holds [gate_r; up_r] and can apply the gate locally.
+    every rank holds [gate_r; up_r] and can apply the gate locally. The output layer of a language model
+    passes its vocabulary's `valid_rows`, and with tied embeddings either `skip_weight_param_allocation`
+    (forward is given the embedding table) or, on a later pipeline stage, `tied_copy` (ShardSpec).
     """
 
     def __init__(self, in_features: int, out_features: int, pstate: ParallelState, *, bias: bool,
                  sequence_parallel: bool = False, gather_output: bool = False, init: str = "normal",
-                 tp_chunks: int = 1):
+                 tp_chunks: int = 1, valid_rows: int | None = None, skip_weight_param_allocation: bool = False,
+                 tied_copy: bool = False):
         super().__init__()
         self.tp_group = pstate.group("tp")
         self.sequence_parallel = sequence_parallel
         self.gather_output = gather_output
-        self.weight = new_parameter(
-            ShardSpec((out_features, in_features), tp_dim=0, tp_chunks=tp_chunks, init=init), pstate.tp_size)
+        spec = ShardSpec((out_features, in_features), tp_dim=0, tp_chunks=tp_chunks, init=init, valid_rows=valid_rows,
+                         tied_copy=tied_copy)
+        self.weight = None if skip_weight_param_allocation else new_parameter(spec, pstate.tp_size)
         self.bias = (new_parameter(ShardSpec((out_features,), tp_dim=0, tp_chunks=tp_chunks, init="zeros"),
                                    pstate.tp_size) if bias else None)
 

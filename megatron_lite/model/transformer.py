@@ -55,20 +55,34 @@ class HiddenDropout(torch.nn.Module):
 
 
 class TransformerLayer(torch.nn.Module):
-    """x + attention(norm(x)), then + mlp(norm(x)). `layer_number` is the global index (0-based)."""
+    """x + attention(norm(x)), then + mlp(norm(x)). `layer_number` is the global index (0-based).
+
+    With --torch-compile, residual_blocks runs as a torch.compile graph. Every layer compiles the same code
+    with the same guards, so dynamo compiles the dense layer once and every other dense layer reuses that
+    graph (MoE layers share a second set). What cannot be traced runs eagerly at a graph break, computing
+    what eager mode computes: the MoE part (`_mlp`), dropout on the tensor-parallel random stream (the core
+    attention when it has dropout; hidden dropout under sequence parallelism), whose generator swap dynamo
+    does not trace, and the recomputed core attention of --recompute-granularity selective, whose
+    random-state replay is Python state. Full recomputation checkpoints the compiled layer from outside.
+    Random ops draw from torch's generators as in eager mode (inductor's fallback_random), so dropout masks,
+    the RNG tracker's streams and their replay under recomputation are eager's; otherwise inductor would
+    draw masks of its own.
+    """
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, layer_number: int, *,
                  sequence_parallel: bool, attention_backend: str, rng_tracker: RNGTracker | None,
-                 mlp: torch.nn.Module | None = None):
+                 mlp: torch.nn.Module | None = None, cp_comm_type: str = "p2p"):
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = Norm(config, sequence_parallel)
         self.self_attention = SelfAttention(config, pstate, sequence_parallel=sequence_parallel,
-                                            backend=attention_backend, rng_tracker=rng_tracker)
+                                            backend=attention_backend, rng_tracker=rng_tracker,
+                                            cp_comm_type=cp_comm_type)
         self.pre_mlp_layernorm = Norm(config, sequence_parallel)
         self.mlp = mlp if mlp is not None else MLP(config, pstate, sequence_parallel=sequence_parallel)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
-        self.compiled_residual_blocks = None  # set by use_torch_compile
+        self.compiled_residual_blocks = (torch.compile(self.residual_blocks, options={"fallback_random": True})
+                                         if config.torch_compile else None)
 
     def forward(self, x: torch.Tensor, rotary, inference_params=None) -> torch.Tensor:
         if inference_params is not None:  # generation: the KV cache is Python state, so always eager
@@ -84,20 +98,6 @@ class TransformerLayer(torch.nn.Module):
         tensors by routing counts read on the host (.tolist()) and it keeps statistics in Python."""
         return self.mlp(x) if isinstance(self.mlp, MLP) else _run_eagerly(self.mlp, x)
 
-    def use_torch_compile(self) -> None:
-        """Run residual_blocks as a torch.compile graph from now on (--torch-compile).
-
-        Every layer compiles the same code with the same guards, so dynamo compiles the dense layer once and
-        every other dense layer reuses that graph (MoE layers share a second set). What cannot be traced
-        runs eagerly at a graph break, computing what eager mode computes: the MoE part (`_mlp`), dropout on
-        the tensor-parallel random stream (the core attention when it has dropout; hidden dropout under
-        sequence parallelism), whose generator swap dynamo does not trace, and the recomputed core attention
-        of --recompute-granularity selective, whose random-state replay is Python state. Full recomputation
-        checkpoints the compiled layer from outside. Random ops draw from torch's generators as in eager mode
-        (inductor's fallback_random), so dropout masks, the RNG tracker's streams and their replay under
-        recomputation are eager's; otherwise inductor would draw masks of its own.
-        """
-        self.compiled_residual_blocks = torch.compile(self.residual_blocks, options={"fallback_random": True})
 
 
 @torch.compiler.disable
@@ -108,8 +108,8 @@ def _run_eagerly(module: torch.nn.Module, *args):
 
 class TransformerBlock(torch.nn.Module):
     """Layers [layer_offset, layer_offset + num_layers) of the decoder, plus the final norm on the last
-    pipeline stage. Holds the activation-recomputation policy and compiles each layer with --torch-compile
-    (as torchtitan does: per layer, so that compile time does not grow with depth; the rest stays eager)."""
+    pipeline stage. Holds the full-recomputation policy. With --torch-compile each layer is compiled on its
+    own (as torchtitan does, so that compile time does not grow with depth); the rest stays eager."""
 
     def __init__(self, layers: list[TransformerLayer], config: ModelConfig, *, final_norm: bool,
                  sequence_parallel: bool, rng_tracker: RNGTracker | None):
@@ -119,12 +119,6 @@ class TransformerBlock(torch.nn.Module):
         self.rng_tracker = rng_tracker
         self.recompute_units = (full_recompute_units(config.recompute_method, config.recompute_num_layers, len(layers))
                                 if config.recompute_granularity == "full" else [])
-        if config.recompute_granularity == "selective":
-            for layer in layers:
-                layer.self_attention.recompute_core_attention = True
-        if config.torch_compile:
-            for layer in layers:
-                layer.use_torch_compile()
 
     def forward(self, x: torch.Tensor, rotary, inference_params=None) -> torch.Tensor:
         if self.training and self.recompute_units:

@@ -47,7 +47,7 @@ from functools import partial
 
 import torch
 
-from megatron_lite.model.transformer import TransformerLayer
+from megatron_lite.model.contract import ModelChunk, check_model_chunk
 from megatron_lite.optim.param_and_grad_buffer import (
     Bucket,
     FlatShard,
@@ -103,10 +103,11 @@ class DistributedDataParallel(torch.nn.Module):
     """Wraps one model chunk: accumulates gradients into contiguous buffers, reduces them by bucket and,
     when sharded, keeps and gathers the parameters as the ZeRO stage says."""
 
-    def __init__(self, module: torch.nn.Module, pstate: ParallelState, *, bucket_size: int = 40_000_000,
+    def __init__(self, module: ModelChunk, pstate: ParallelState, *, bucket_size: int = 40_000_000,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  data_parallel_sharding_strategy: str = "no_shard", param_dtype: torch.dtype | None = None):
         super().__init__()
+        check_model_chunk(module)
         if data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"unknown data-parallel sharding strategy {data_parallel_sharding_strategy}")
         self.module = module
@@ -151,10 +152,8 @@ class DistributedDataParallel(torch.nn.Module):
                     self._hooks.append(submodule.register_forward_pre_hook(partial(self._wait_for_params, buckets)))
 
     def _build_units(self) -> list[_Unit]:
-        """The chunk itself (everything outside its layers), then its transformer layers in forward order."""
-        units = [_Unit(self.module)]
-        units += [_Unit(m) for m in self.module.modules() if isinstance(m, TransformerLayer)]
-        return units
+        """The chunk itself (everything outside its sharding units), then its sharding units in forward order."""
+        return [_Unit(self.module)] + [_Unit(m) for m in self.module.sharding_units()]
 
     # -- backward -------------------------------------------------------------------------------------
     def _accumulate(self, param: torch.nn.Parameter) -> None:
@@ -240,6 +239,16 @@ class DistributedDataParallel(torch.nn.Module):
     # -- the training loop's interface ----------------------------------------------------------------
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @property
+    def pstate(self) -> ParallelState:
+        return self.module.pstate
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        self.module.set_input_tensor(tensor)
+
+    def rng_trackers(self) -> list:
+        return self.module.rng_trackers()
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -28,7 +28,7 @@ from megatron_lite.parallel.state import ParallelState
 def counted_once(param: torch.nn.Parameter, pstate: ParallelState) -> bool:
     """Whether this rank's copy of `param` enters the global norm: replicas across TP are counted on TP
     rank 0 only, the last stage's copy of tied embeddings not at all (the first stage counts it)."""
-    if getattr(param, "is_embedding_copy", False):
+    if param.spec.tied_copy:
         return False
     return param.spec.tp_dim is not None or pstate.tp_rank == 0
 

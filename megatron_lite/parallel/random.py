@@ -5,11 +5,11 @@ must draw the same mask on every TP rank, or the replicas drift apart; dropout o
 TP ranks (attention probabilities of this rank's heads, the residual stream's sequence slice with
 sequence parallelism) must draw different masks, or the split masks repeat. The default torch generator
 serves the first case; `RNGTracker.fork()` swaps in a per-TP-rank stream for the second, as Megatron's
-CUDA RNG tracker does. Seeds follow Megatron: seed + 100 * pp_rank for the default stream,
-seed + 2718 + tp_rank on top of that for the tensor-parallel stream. A rank holding several model chunks
-(virtual pipeline stages) has one tracker per chunk, or every chunk would repeat the first one's masks:
-the chunk's first global layer enters the seed shifted by 20 bits, which keeps every (stage, TP rank,
-chunk) stream distinct within the 32 bits the CPU generator uses.
+CUDA RNG tracker does. Seeds follow Megatron: seed + 100 * pp_rank for the default stream (set once, by
+`set_random_seed`), seed + 2718 + tp_rank on top of that for the tensor-parallel stream. A rank holding
+several model chunks (virtual pipeline stages) has one tracker per chunk, or every chunk would repeat the
+first one's masks: the chunk's first global layer enters the seed shifted by 20 bits, which keeps every
+(stage, TP rank, chunk) stream distinct within the 32 bits the CPU generator uses.
 """
 
 from __future__ import annotations
@@ -25,18 +25,21 @@ def _device_rng(device: torch.device):
     return torch.cuda if device.type == "cuda" else torch.random
 
 
+def set_random_seed(seed: int, pp_rank: int) -> None:
+    """Seed torch's default generators (the CPU's and every GPU's) for this pipeline stage: every rank of
+    one stage draws the same default stream, the stages different ones."""
+    torch.manual_seed(seed + 100 * pp_rank)
+
+
 class RNGTracker:
-    """Holds the tensor-parallel random stream and swaps it in around dropout in split regions."""
+    """Holds the tensor-parallel random stream and swaps it in around dropout in split regions. Building one
+    leaves torch's default generators as they were."""
 
     def __init__(self, seed: int, tp_rank: int, pp_rank: int, device: torch.device, layer_offset: int = 0):
         self.device = device
-        base_seed = seed + 100 * pp_rank
-        rng = _device_rng(device)
-        saved = rng.get_rng_state()
-        rng.manual_seed(base_seed + _TENSOR_PARALLEL_SEED_OFFSET + tp_rank + (layer_offset << 20))
-        self.state = rng.get_rng_state()
-        rng.set_rng_state(saved)
-        rng.manual_seed(base_seed)
+        generator = torch.Generator(device) if device.type == "cuda" else torch.Generator()
+        generator.manual_seed(seed + 100 * pp_rank + _TENSOR_PARALLEL_SEED_OFFSET + tp_rank + (layer_offset << 20))
+        self.state = generator.get_state()
 
     @contextlib.contextmanager
     def fork(self):

@@ -125,7 +125,7 @@ class _MicroBatchRunner:
         chunk = self.model[chunk_id]
         if input_tensor is not None and not self.forward_only:
             input_tensor.requires_grad_()
-        getattr(chunk, "module", chunk).set_input_tensor(input_tensor)
+        chunk.set_input_tensor(input_tensor)
         output, loss_func = self.forward_step_func(data_iterator, chunk)
         if self.computes_loss(chunk_id):
             loss_sum = _accumulate(self.reports, self.total_tokens, loss_func, output)
