@@ -85,6 +85,7 @@ class ParallelConfig:
     num_virtual_stages_per_pipeline_rank: int | None = None  # the interleaving set by chunks per stage instead
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
+    pipeline_schedule: str = "1f1b"  # 1f1b (interleaved with virtual stages) or gpipe (see _HELP)
     cp_comm_type: str = "p2p"
     hierarchical_context_parallel_sizes: list[int] | None = None  # A B with --cp-comm-type a2a+p2p (see _HELP)
     expert_model_parallel_size: int = 1
@@ -250,6 +251,7 @@ _CHOICES = {
     "position_embedding_type": ["learned_absolute", "rope"],
     "moe_token_dispatcher_type": ["alltoall", "allgather"],
     "cp_comm_type": ["p2p", "allgather", "a2a", "a2a+p2p"],
+    "pipeline_schedule": ["1f1b", "gpipe"],
     "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["linear", "cosine", "exponential", "minus_sqrt"],
@@ -277,6 +279,9 @@ _HELP = {
                                             "stage's layers split evenly among them; unlike "
                                             "--num-layers-per-virtual-pipeline-stage it allows "
                                             "--decoder-first/last-pipeline-num-layers",
+    "pipeline_schedule": "with pipeline-model-parallel-size > 1: 1f1b (one forward one backward; interleaved when "
+                         "virtual stages are set) holds at most P - p micro-batches' activations on stage p; gpipe "
+                         "runs all forwards, then all backwards, holding all of them; same bubble (P - 1) / m",
     "cp_comm_type": "context-parallel attention: p2p (ring of K/V), allgather (all K/V gathered), a2a "
                     "(Ulysses: all-to-all from a sequence split to a head split and back; heads must divide by "
                     "context-parallel-size), a2a+p2p (a2a within groups of cp ranks, p2p across them: see "

@@ -234,6 +234,8 @@ def get_schedule(config: Config):
         return schedules.forward_backward_no_pipelining
     if config.virtual_pipeline_stages is not None:
         return schedules.forward_backward_pipelining_with_interleaving
+    if config.parallel.pipeline_schedule == "gpipe":
+        return schedules.forward_backward_pipelining_gpipe
     return schedules.forward_backward_pipelining_without_interleaving
 
 

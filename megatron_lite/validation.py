@@ -124,6 +124,8 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
         problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline-model-parallel-size > 1")
     if p.num_virtual_stages_per_pipeline_rank is not None and pp == 1:
         problems.append("--num-virtual-stages-per-pipeline-rank needs pipeline-model-parallel-size > 1")
+    if p.pipeline_schedule != "1f1b" and pp == 1:
+        problems.append(f"--pipeline-schedule {p.pipeline_schedule} needs pipeline-model-parallel-size > 1")
     problems += _pipeline_split_problems(config) + _context_parallel_problems(config)
     return problems
 
@@ -177,6 +179,9 @@ def _pipeline_split_problems(config: Config) -> list[str]:
             stage, n = uneven[0]
             return [f"layers of pipeline stage {stage} ({n}) must be divisible by "
                     f"num-virtual-stages-per-pipeline-rank ({vp_stages})"]
+    if config.virtual_pipeline_stages is not None and p.pipeline_schedule != "1f1b":
+        return [f"--pipeline-schedule {p.pipeline_schedule} has no interleaved form; drop "
+                f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank or use 1f1b"]
     if config.virtual_pipeline_stages is not None and config.num_microbatches % pp:
         return [f"number of micro-batches ({config.num_microbatches}) must be divisible by "
                 f"pipeline-model-parallel-size ({pp}) for the interleaved schedule"]

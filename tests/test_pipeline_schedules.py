@@ -103,10 +103,15 @@ _OP = re.compile(r"rank (\d+) (?:->|<-) rank (\d+) (send|recv) (activation|gradi
 
 @pytest.mark.parametrize(("name", "pp", "v"), [("pp4_1f1b", 4, 1), ("pp4_vp2", 4, 2), ("pp2_vp2", 2, 2)])
 def test_trace_pairs_every_send_with_the_receive_of_the_same_microbatch(runs, name, pp, v):
-    """Each send (rank, peer, micro-batch, chunk) is received by that peer for the same micro-batch, by the
-    chunk that follows in the ring (the last stage's chunk c feeds the first stage's chunk c + 1)."""
+    assert_sends_pair_with_receives(runs[name], pp, v, M)
+
+
+def assert_sends_pair_with_receives(results: list[dict], pp: int, v: int, m: int):
+    """Each send (rank, peer, micro-batch, chunk) of an evaluation and a training pass is received by that peer
+    for the same micro-batch, by the chunk that follows in the ring (the last stage's chunk c feeds the first
+    stage's chunk c + 1)."""
     sends, receives = collections.Counter(), collections.Counter()
-    for r in runs[name]:
+    for r in results:
         for rank, peer, kind, what, mb, chunk in _OP.findall(r["trace"]):
             rank, peer, mb, chunk = int(rank), int(peer), int(mb), int(chunk)
             if kind == "recv":
@@ -117,6 +122,6 @@ def test_trace_pairs_every_send_with_the_receive_of_the_same_microbatch(runs, na
                 sends[(rank, peer, what, mb, chunk - (rank == 0))] += 1
         assert len(re.findall(r"stage \d+ busy .* peak live micro-batches", r["trace"])) == 2
     assert sends == receives
-    per_pass = M * (pp * v - 1)  # hand-overs between consecutive virtual stages
+    per_pass = m * (pp * v - 1)  # hand-overs between consecutive virtual stages
     assert sum(n for key, n in sends.items() if key[2] == "activation") == 2 * per_pass  # evaluation + training
     assert sum(n for key, n in sends.items() if key[2] == "gradient") == per_pass

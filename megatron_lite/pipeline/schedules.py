@@ -11,10 +11,11 @@ on: with pipelining only the last stage has any.
   forward_backward_pipelining_without_interleaving 1F1B: warm-up forwards, one-forward-one-backward
                                                    steady state, cool-down backwards
   forward_backward_pipelining_with_interleaving    interleaved 1F1B over v model chunks per stage
+  forward_backward_pipelining_gpipe                GPipe: all forwards, then all backwards
 
 In 1F1B stage p of P runs P - p - 1 warm-up forwards, so it holds at most P - p micro-batches' activations
-(GPipe would hold all m) and idles (P - 1) micro-batch times per step: the bubble is (P - 1) / m of the
-compute. The interleaved schedule gives each stage v chunks of L / (P v) layers and cuts the bubble to
+(GPipe holds all m) and idles (P - 1) micro-batch times per step: the bubble is (P - 1) / m of the
+compute, in both. The interleaved schedule gives each stage v chunks of L / (P v) layers and cuts the bubble to
 (P - 1) / (v m), holding more micro-batches in flight in exchange. An activation is dropped as soon
 as its backward has run. Gradient reduction is deferred (`no_sync`) until the last micro-batch's
 backward of each chunk, so with --overlap-grad-reduce a chunk's buckets start reducing then.
@@ -171,6 +172,15 @@ def _communicator(model: list, pstate, config) -> PipelineCommunicator:
                                 param.device)
 
 
+def _receive_forward_send(run: _MicroBatchRunner, comm: PipelineCommunicator, mb: int, data_iterator):
+    """One micro-batch through a stage of a non-interleaved pipeline: receive its input (None on the first
+    stage), run the forward, send the output on (not past the last stage); returns (input, output)."""
+    input_tensor = comm.recv_forward((mb, 0))
+    output = run.forward(0, mb, input_tensor, data_iterator)
+    comm.send_forward(output, (mb, 0))
+    return input_tensor, output
+
+
 # -------------------------------------------------------------------------------------------------------
 # 1F1B
 
@@ -194,11 +204,9 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
     saved: list[tuple] = []  # (input, output) of micro-batches whose backward is still to run, oldest first
 
     for mb in range(num_warmup):
-        input_tensor = comm.recv_forward((mb, 0))
-        output = run.forward(0, mb, input_tensor, data_iterator)
-        comm.send_forward(output, (mb, 0))
+        input_and_output = _receive_forward_send(run, comm, mb, data_iterator)
         if not forward_only:
-            saved.append((input_tensor, output))
+            saved.append(input_and_output)
 
     input_tensor = comm.recv_forward((num_warmup, 0)) if num_steady else None
     for step in range(num_steady):
@@ -222,6 +230,36 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
             input_grad = run.backward(0, backward_mb, input_tensor, output, output_grad,
                                       backward_mb == num_microbatches - 1)
             comm.send_backward(input_grad, (backward_mb, 0))
+    return run.finish()
+
+
+# -------------------------------------------------------------------------------------------------------
+# GPipe
+
+
+def forward_backward_pipelining_gpipe(forward_step_func, data_iterator, model, num_microbatches: int, *,
+                                      pstate, config, forward_only: bool = False, loss_scale: float = 1.0,
+                                      stats: ScheduleStats | None = None):
+    """GPipe (Huang et al. 2019): the forwards of all m micro-batches, then their backwards in the same order.
+
+    The bubble is 1F1B's, (P - 1) / m, but every stage holds all m micro-batches' activations when the
+    forwards end (1F1B: at most P - p); the backwards pass each gradient on as soon as it is computed.
+    """
+    model = model if isinstance(model, list) else [model]
+    stats = stats if stats is not None else ScheduleStats()
+    run = _MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
+                            stats=stats)
+    comm = _communicator(model, pstate, config)
+    saved: list[tuple] = []  # (input, output) of every micro-batch, oldest first
+    for mb in range(num_microbatches):
+        input_and_output = _receive_forward_send(run, comm, mb, data_iterator)
+        if not forward_only:
+            saved.append(input_and_output)
+    for mb in range(len(saved)):
+        input_tensor, output = saved.pop(0)  # the activations go as soon as their backward has run
+        output_grad = comm.recv_backward((mb, 0))
+        input_grad = run.backward(0, mb, input_tensor, output, output_grad, mb == num_microbatches - 1)
+        comm.send_backward(input_grad, (mb, 0))
     return run.finish()
 
 

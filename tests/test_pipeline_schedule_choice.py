@@ -1,0 +1,82 @@
+"""--pipeline-schedule gpipe computes what one process computes: one step's loss, evaluation and gradients equal
+the single-device ones over PP2 and PP4, with fewer micro-batches than stages and with more; trained with
+TP2 and sequence parallelism, losses and weights equal the single-device run's. GPipe holds every micro-batch
+of the step; every send is received; bad combinations are one-line errors."""
+
+import pytest
+
+from tests.harness import run_on_ranks
+from tests.test_pipeline_config import error_for
+from tests.test_pipeline_parallel import (
+    TINY_8_LAYERS,
+    assert_run_matches,
+    assert_tensors_match,
+    join_shards,
+    reference,
+    train_and_collect,
+)
+from tests.test_pipeline_schedules import assert_sends_pair_with_receives, one_step
+
+SCHEDULES = ("gpipe",)
+CASES = [(pp, m) for pp in (2, 4) for m in (3, 8)]  # m below and above the number of stages
+_RUNS: dict = {}
+
+
+def step_values(m: int) -> dict:
+    return {**TINY_8_LAYERS, "micro_batch_size": 1, "global_batch_size": m}
+
+
+def runs_of(schedule: str, pp: int, m: int) -> list[dict]:
+    """One step of `schedule` over `pp` stages and `m` micro-batches, per rank (computed once)."""
+    key = (schedule, pp, m)
+    if key not in _RUNS:
+        values = {**step_values(m), "pipeline_model_parallel_size": pp, "pipeline_schedule": schedule}
+        _RUNS[key] = sorted(run_on_ranks(pp, one_step, values, pp, True), key=lambda r: r["stage"])
+    return _RUNS[key]
+
+
+def single_device(m: int) -> dict:
+    key = ("single", 1, m)
+    if key not in _RUNS:
+        _RUNS[key] = one_step(step_values(m), 1)
+    return _RUNS[key]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("pp", "m"), CASES)
+def test_one_step_gradients_and_evaluation_equal_one_process(schedule, pp, m):
+    ref = single_device(m)
+    results = runs_of(schedule, pp, m)
+    for r in results:
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+        assert r["forwards"] == m
+    assert_tensors_match(join_shards([r["grads"] for r in results]), join_shards([ref["grads"]]))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("pp", "m"), CASES)
+def test_trace_pairs_every_send_with_its_receive(schedule, pp, m):
+    assert_sends_pair_with_receives(runs_of(schedule, pp, m), pp, 1, m)
+
+
+@pytest.mark.parametrize(("pp", "m"), CASES)
+def test_gpipe_stage_holds_every_microbatch(pp, m):
+    assert [r["peak_live"] for r in runs_of("gpipe", pp, m)] == [m] * pp
+
+
+def test_gpipe_with_tp2_and_sequence_parallel_trains_as_one_process():
+    """Tensor parallelism brings its own rounding (1e-4 on weights after 10 steps, as in test_pipeline_parallel)."""
+    values = {**TINY_8_LAYERS, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+              "pipeline_model_parallel_size": 2, "pipeline_schedule": "gpipe"}
+    assert_run_matches(run_on_ranks(4, train_and_collect, values, 4), reference(TINY_8_LAYERS), tensor_rel=1e-4)
+
+
+@pytest.mark.parametrize(("values", "world_size", "message"), [
+    ({"pipeline_schedule": "gpipe"}, 1, "--pipeline-schedule gpipe needs pipeline-model-parallel-size > 1"),
+    ({"pipeline_schedule": "gpipe", "pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 2},
+     2, "--pipeline-schedule gpipe has no interleaved form; drop --num-layers-per-virtual-pipeline-stage / "
+        "--num-virtual-stages-per-pipeline-rank or use 1f1b"),
+])
+def test_bad_schedule_combinations_are_one_line_errors(values, world_size, message):
+    assert error_for(values, world_size) == message
