@@ -39,8 +39,8 @@ from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.checkpointing import Checkpointer, stored_bytes
 from megatron_lite.checkpoint.planner import SafeFileSystemReader
 from megatron_lite.config import make_config
+from megatron_lite.model.sharding import FlatShard
 from megatron_lite.optim.distributed_optimizer import build_optimizer
-from megatron_lite.optim.param_and_grad_buffer import FlatShard
 from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
 
 WORLD_SIZE = 2

@@ -28,8 +28,8 @@ from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.hf import weights
 from megatron_lite.hf.checkpoint import load_into_model
 from megatron_lite.model.gpt import GPTModel
+from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.finalize_grads import finalize_model_grads
-from megatron_lite.optim.grad_buffer import DistributedDataParallel
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import ParallelState
 

@@ -24,9 +24,9 @@ from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.errors import TrainingDivergedError
 from megatron_lite.logging import TrainingLogger
 from megatron_lite.model.moe import moe_metrics, set_moe_loss_scale
+from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
-from megatron_lite.optim.grad_buffer import DistributedDataParallel
 from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import lifecycle, mappings

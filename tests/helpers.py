@@ -11,10 +11,10 @@ import torch
 import pretrain_gpt
 from megatron_lite.config import make_config
 from megatron_lite.model.gpt import gather_vocab_logits
-from megatron_lite.model.sharding import unshard
+from megatron_lite.model.sharding import FlatShard, unshard
+from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
-from megatron_lite.optim.grad_buffer import DistributedDataParallel, FlatShard
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.training import (

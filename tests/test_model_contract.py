@@ -7,7 +7,7 @@ import torch
 import pretrain_gpt
 from megatron_lite.config import make_config
 from megatron_lite.model.contract import check_model_chunk
-from megatron_lite.optim.grad_buffer import DistributedDataParallel
+from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.training import model_chunk_plans
 

@@ -58,7 +58,7 @@ from megatron_lite.checkpoint.rng_state import layout_tag, rng_states, set_rng_s
 from megatron_lite.checkpoint.save_lock import SaveLock, unwritable
 from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config import Config
-from megatron_lite.optim.param_and_grad_buffer import FlatShard
+from megatron_lite.model.sharding import FlatShard
 from megatron_lite.parallel.state import ParallelState
 
 FORMAT = "megatron_lite/dcp/1"

@@ -43,6 +43,20 @@ class ShardSpec:
     tied_copy: bool = False
 
 
+@dataclass
+class FlatShard:
+    """Elements [start, stop) of this rank's tensor-parallel shard of a parameter, flattened row-major.
+
+    `data` is a live 1-D tensor of stop - start elements: reading it saves, writing into it loads. `spec`
+    places the TP shard in the global tensor (with this rank's TP rank). Optimizer states and ZeRO-3
+    parameters are handed to checkpoints as FlatShards."""
+
+    data: torch.Tensor
+    spec: ShardSpec
+    flat_range: tuple[int, int]
+
+
+
 def new_parameter(spec: ShardSpec, tp_size: int, dtype=torch.float32, device=None) -> torch.nn.Parameter:
     """An uninitialized local parameter shaped as this rank's shard of `spec.global_shape`."""
     shape = list(spec.global_shape)

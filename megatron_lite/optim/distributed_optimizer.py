@@ -2,7 +2,7 @@
 
 With Adam in mixed precision a parameter costs 18 bytes: bf16 weight 2, fp32 gradient 4, fp32 master 4,
 two fp32 moments 8. Data-parallel ranks hold identical copies of all of it. As in Megatron's
-DistributedOptimizer, the gradient buckets (optim/grad_buffer.py) are reduce-scattered instead of
+DistributedOptimizer, the gradient buckets (optim/data_parallel.py) are reduce-scattered instead of
 all-reduced, so rank r of d holds the reduced gradients of the r-th 1/d of every bucket; it keeps fp32
 masters and Adam moments for exactly those elements, steps them, casts them into the bucket's parameter
 buffer and all-gathers the buckets (ZeRO-3 gathers per layer on use instead). Per parameter, with d the
@@ -28,7 +28,7 @@ Checkpoint protocol (the same for `Optimizer` and `DistributedOptimizer`). `shar
   optimizer.grad_scaler                     dict or None: the fp16 loss scaler's state
 
 Global names are GPTModel.global_name's (DistributedDataParallel.module.named_global_parameters()). A
-FlatShard (param_and_grad_buffer.py) is elements [start, stop) of this rank's tensor-parallel shard of the
+FlatShard (model/sharding.py) is elements [start, stop) of this rank's tensor-parallel shard of the
 parameter, flattened row-major, as a live 1-D tensor; `spec` (ShardSpec) with the rank's TP rank places
 that shard in the global tensor. The plain optimizer holds whole shards, (0, numel); the distributed
 optimizer a flat range, which is a few row-major boxes of the global tensor. Several ranks may hold the
@@ -44,9 +44,10 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import Config
-from megatron_lite.optim.grad_buffer import DistributedDataParallel
+from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.optim.param_and_grad_buffer import OwnedRange
+from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.parallel.state import ParallelState
 
 
@@ -72,7 +73,7 @@ class DistributedOptimizer(Optimizer):
 
 def build_optimizer(config: Config, model_chunks: list[DistributedDataParallel], pstate: ParallelState) -> Optimizer:
     """The optimizer for the run's data-parallel sharding strategy."""
-    if config.parallel.data_parallel_sharding_strategy == "no_shard":
+    if not ZeroStage(config.parallel.data_parallel_sharding_strategy).shards_optimizer_state:
         named = [(name, p) for chunk in model_chunks for name, p in chunk.module.named_global_parameters()
                  if p.requires_grad]
         return Optimizer(named, config.optimizer, pstate)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.optim.grad_buffer import DistributedDataParallel
+from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 

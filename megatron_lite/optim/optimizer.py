@@ -19,8 +19,9 @@ import math
 import torch
 
 from megatron_lite.config import OptimizerConfig
+from megatron_lite.model.sharding import FlatShard
 from megatron_lite.optim.loss_scaler import build_grad_scaler
-from megatron_lite.optim.param_and_grad_buffer import FlatShard, OwnedRange, storage_bytes
+from megatron_lite.optim.param_and_grad_buffer import OwnedRange, storage_bytes
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 

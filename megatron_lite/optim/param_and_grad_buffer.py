@@ -4,7 +4,7 @@ A `Bucket` is a contiguous range of a buffer holding several parameters, padded 
 data-parallel group size, reduced with one collective (all-reduce, or reduce-scatter so that each rank keeps
 a 1/d shard) and, when parameters are sharded, gathered with one all-gather. A `GradBuffer` holds the buckets
 of the parameters of one dtype reduced over one group. What each ZeRO stage keeps is described in
-grad_buffer.py, whose DistributedDataParallel drives these buckets from autograd hooks.
+zero_stage.py; data_parallel.py's DistributedDataParallel drives these buckets from autograd hooks.
 """
 
 from __future__ import annotations
@@ -14,20 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_lite.model.sharding import ShardSpec
+from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.parallel import mappings
-
-
-@dataclass
-class FlatShard:
-    """Elements [start, stop) of this rank's tensor-parallel shard of a parameter, flattened row-major.
-
-    `data` is a live 1-D tensor of stop - start elements: reading it saves, writing into it loads. `spec`
-    places the TP shard in the global tensor (model.sharding.ShardSpec, with this rank's TP rank)."""
-
-    data: torch.Tensor
-    spec: ShardSpec
-    flat_range: tuple[int, int]
 
 
 @dataclass
@@ -64,10 +52,10 @@ class Bucket:
     padding at the end. This rank owns elements [shard_start, shard_start + shard_size).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], group, strategy: str):
+    def __init__(self, params: list[torch.nn.Parameter], group, stage: ZeroStage):
         self.params = params
         self.group = group
-        self.strategy = strategy
+        self.stage = stage
         size = 1 if group is None else dist.get_world_size(group)
         rank = 0 if group is None else dist.get_rank(group)
         self.offsets, numel = {}, 0
@@ -87,14 +75,10 @@ class Bucket:
         self.param_handle = None
         self.gathered = True
 
-    @property
-    def sharded(self) -> bool:
-        return self.strategy != "no_shard"
-
     def _owned(self, param) -> tuple[int, int]:
         """The flat range of `param` inside this rank's shard (empty when they do not meet)."""
         offset, numel = self.offsets[param], param.numel()
-        if not self.sharded:
+        if not self.stage.shards_optimizer_state:
             return 0, numel
         start = min(max(self.shard_start - offset, 0), numel)
         stop = max(min(self.shard_start + self.shard_size - offset, numel), start)
@@ -111,7 +95,7 @@ class Bucket:
     def owned_grad(self, param) -> torch.Tensor:
         """1-D view of the reduced gradient of this rank's elements of `param`."""
         start, stop = self._owned(param)
-        if self.grad_shard is not None:
+        if self.stage.shards_grads:
             begin = self.offsets[param] + start - self.shard_start
             return self.grad_shard[begin:begin + stop - start]
         begin = self.offsets[param]
@@ -119,10 +103,10 @@ class Bucket:
 
     def _owned_model_data(self, param) -> torch.Tensor:
         start, stop = self._owned(param)
-        if self.param_shard is not None:
+        if self.stage.shards_params:
             begin = self.offsets[param] + start - self.shard_start
             return self.param_shard[begin:begin + stop - start]
-        if self.param_data is not None:
+        if self.stage.shards_optimizer_state:
             begin = self.offsets[param]
             return self.param_data[begin + start:begin + stop]
         return param.detach().view(-1)
@@ -139,10 +123,10 @@ class Bucket:
         """Launch this bucket's collective (asynchronously); a no-op while one is in flight."""
         if self.grad_handle is not None or self.scattered is not None:
             return
-        if self.strategy in ("no_shard", "optim"):
+        if not self.stage.shards_grads:
             if self.group is None:
                 return
-            if self.strategy == "no_shard":
+            if not self.stage.shards_optimizer_state:
                 self.grad_handle = dist.all_reduce(self.grad_data, group=self.group, async_op=True)
             else:
                 shard = self.grad_data[self.shard_start:self.shard_start + self.shard_size]
@@ -179,15 +163,15 @@ class Bucket:
             offset = self.offsets[param]
             self.param_data[offset:offset + param.numel()].copy_(param.detach().view(-1))
             param.data = self.param_data[offset:offset + param.numel()].view_as(param)
-        if self.strategy == "optim_grads_params":
+        if self.stage.shards_params:
             self.param_shard = self.param_data[self.shard_start:self.shard_start + self.shard_size].clone()
             self.free_params()
 
     def start_param_gather(self) -> None:
         """All-gather the parameters from every rank's shard (asynchronously; see finish_param_gather)."""
-        if self.param_handle is not None or (self.gathered and self.param_shard is not None):
+        if self.param_handle is not None or (self.gathered and self.stage.shards_params):
             return
-        if self.param_shard is not None:  # ZeRO-3: storage back, then fill it
+        if self.stage.shards_params:  # storage back, then fill it
             self.param_data.untyped_storage().resize_(self.numel * self.param_data.element_size())
             self.gathered = True
             if self.group is None:
@@ -232,10 +216,10 @@ class GradBuffer:
     """The buckets of parameters of one dtype reduced over one group; `data` is their persistent fp32
     gradient storage: the whole buckets (no_shard, optim) or this rank's shards (optim_grads(_params))."""
 
-    def __init__(self, bucket_params: list[list[torch.nn.Parameter]], group, strategy: str):
-        self.buckets = [Bucket(params, group, strategy) for params in bucket_params]
+    def __init__(self, bucket_params: list[list[torch.nn.Parameter]], group, stage: ZeroStage):
+        self.buckets = [Bucket(params, group, stage) for params in bucket_params]
         device = bucket_params[0][0].device
-        whole = strategy in ("no_shard", "optim")
+        whole = not stage.shards_grads
         sizes = [b.numel if whole else b.shard_size for b in self.buckets]
         self.data = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
         start = 0
@@ -244,6 +228,6 @@ class GradBuffer:
                 bucket.attach_grads(self.data[start:start + size])
             else:
                 bucket.grad_shard = self.data[start:start + size]
-            if strategy != "no_shard":
+            if stage.shards_optimizer_state:
                 bucket.attach_params()
             start += size

@@ -3,7 +3,7 @@
 The prediction retraces what the model and optimizer build, without building them: the parameter shapes
 of each model chunk in `module.parameters()` order (model/gpt.py, transformer.py, attention.py, mlp.py,
 moe.py: a module's own parameters before its children's), the vocabulary padded to a multiple of
---make-vocab-size-divisible-by x TP, the buckets of optim/grad_buffer.py (parameters in reverse order,
+--make-vocab-size-divisible-by x TP, the buckets of optim/data_parallel.py (parameters in reverse order,
 about --ddp-bucket-size elements each, never spanning two ZeRO-3 units, the isolated tied-embedding copy,
 each padded to a multiple of its data-parallel group) and what each ZeRO stage keeps of them:
 
@@ -131,7 +131,7 @@ def chunk_params(config: Config, chunk: ChunkLayers) -> list[ParamShape]:
 
 
 def _cut_buckets(params: list[ParamShape], bucket_size: int, zero3: bool) -> list[list[ParamShape]]:
-    """grad_buffer.cut_buckets on shapes: consecutive parameters (in backward order) up to about bucket_size
+    """param_and_grad_buffer.cut_buckets on shapes: consecutive parameters (in backward order) up to about bucket_size
     elements, a new bucket at every ZeRO-3 unit boundary and around each isolated parameter."""
     buckets, current, size = [], [], 0
     for param in params:

@@ -9,16 +9,9 @@ size so that a reduce-scatter gives every rank an equal, contiguous shard. A buc
 collective. Gradients are summed, not averaged: the training loop divides by the number of tokens in the
 global batch afterwards.
 
-`data_parallel_sharding_strategy` (the ZeRO stage) decides what a rank keeps between steps:
-
-  no_shard            all-reduce; every rank holds every gradient, and steps every parameter
-  optim               ZeRO-1: reduce-scatter into the full gradient buffer; the distributed optimizer steps
-                      this rank's shard only and all-gathers the parameters (kept in per-bucket buffers)
-  optim_grads         ZeRO-2: as optim, but only the gradient shard persists. A bucket's gradients are summed
-                      in a temporary buffer during one micro-batch's backward and reduce-scattered into the
-                      shard as soon as the bucket is complete, in every micro-batch (DeepSpeed's trade: more
-                      communication for 1/d of the gradient memory)
-  optim_grads_params  ZeRO-3: as optim_grads, and parameters live only as shards between uses
+`data_parallel_sharding_strategy` (the ZeRO stage, zero_stage.py) decides what a rank keeps between steps.
+ZeRO-2 reduce-scatters in every micro-batch (DeepSpeed's trade: more communication for 1/d of the gradient
+memory).
 
 ZeRO-3 is our own, not PyTorch's FSDP2 `fully_shard`: FSDP2 turns parameters into DTensors and reduces
 gradients into `.grad` itself, which composes neither with the `main_grad` buffers nor with the ShardSpecs
@@ -48,17 +41,16 @@ from functools import partial
 import torch
 
 from megatron_lite.model.contract import ModelChunk, check_model_chunk
+from megatron_lite.model.sharding import FlatShard
 from megatron_lite.optim.param_and_grad_buffer import (
     Bucket,
-    FlatShard,
     GradBuffer,
     OwnedRange,
     cut_buckets,
     storage_bytes,
 )
+from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.parallel.state import ParallelState
-
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 class _Unit:
@@ -108,10 +100,8 @@ class DistributedDataParallel(torch.nn.Module):
                  data_parallel_sharding_strategy: str = "no_shard", param_dtype: torch.dtype | None = None):
         super().__init__()
         check_model_chunk(module)
-        if data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
-            raise ValueError(f"unknown data-parallel sharding strategy {data_parallel_sharding_strategy}")
         self.module = module
-        self.strategy = data_parallel_sharding_strategy
+        self.stage = ZeroStage(data_parallel_sharding_strategy)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.is_last_microbatch = True
@@ -121,7 +111,7 @@ class DistributedDataParallel(torch.nn.Module):
             for param in module.parameters():
                 param.data = param.data.to(param_dtype)
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # ~ backward order
-        self.units = self._build_units() if self.strategy == "optim_grads_params" else []
+        self.units = self._build_units() if self.stage.shards_params else []
         unit_of = {p: unit for unit in self.units for p in unit.module.parameters()}
         isolated = set(module.shared_embedding_parameters())  # same shard on the first and the last stage
         kinds = sorted({(p.spec.expert, p.dtype) for p in params}, key=str)
@@ -130,7 +120,7 @@ class DistributedDataParallel(torch.nn.Module):
             members = [p for p in params if (p.spec.expert, p.dtype) == (expert, dtype)]
             group = pstate.group("expert_dp" if expert else "dp_cp")
             self.buffers.append(GradBuffer(cut_buckets(members, bucket_size, unit_of, isolated), group,
-                                           self.strategy))
+                                           self.stage))
         self.buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         accumulate = _calls_while_alive(self._accumulate)
@@ -144,7 +134,7 @@ class DistributedDataParallel(torch.nn.Module):
             for index, unit in enumerate(self.units):
                 self._hooks.append(unit.module.register_forward_pre_hook(partial(self._before_forward, index)))
                 self._hooks.append(unit.module.register_forward_hook(partial(self._after_forward, index)))
-        elif overlap_param_gather and self.strategy != "no_shard":
+        elif overlap_param_gather and self.stage.shards_optimizer_state:
             for submodule in module.modules():
                 buckets = list(dict.fromkeys(self.bucket_of[p] for p in submodule.parameters(recurse=False)
                                              if p in self.bucket_of))
@@ -167,7 +157,7 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.attach_grads(torch.zeros(bucket.numel, dtype=torch.float32, device=param.device))
         param.main_grad.add_(param.grad)
         param.grad = None
-        if self.strategy in ("optim_grads", "optim_grads_params"):
+        if self.stage.shards_grads:
             self._queue_end_of_backward()
             bucket.pending.discard(param)
             if not bucket.pending:
@@ -266,7 +256,7 @@ class DistributedDataParallel(torch.nn.Module):
     def finish_grad_sync(self) -> None:
         """After the last micro-batch: complete every bucket's reduction (no_shard, optim; ZeRO-2/3 reduced
         each backward's gradients at its end)."""
-        if self.strategy in ("no_shard", "optim"):
+        if not self.stage.shards_grads:
             for bucket in self.buckets:
                 bucket.start_grad_reduction()
         for bucket in self.buckets:
@@ -289,7 +279,7 @@ class DistributedDataParallel(torch.nn.Module):
         """ZeRO-1/2, after the optimizer updated this rank's shards: all-gather every bucket's parameters
         (left in flight with --overlap-param-gather; forward pre-hooks wait for them). Buckets are laid out
         in backward order, so they are gathered in reverse: the first layers' parameters arrive first."""
-        if self.strategy not in ("optim", "optim_grads"):
+        if not self.stage.gathers_params_after_step:
             return
         for bucket in reversed(self.buckets):
             bucket.start_param_gather()
@@ -318,7 +308,7 @@ class DistributedDataParallel(torch.nn.Module):
         ranges of the persistent shards (the same FlatShard protocol as the optimizer's state)."""
         self.finish_param_sync()
         names = {param: name for name, param in self.module.named_global_parameters()}
-        if self.strategy != "optim_grads_params":
+        if not self.stage.shards_params:
             return {names[p]: FlatShard(p.detach().view(-1), p.spec, (0, p.numel())) for p in names}
         return {names[r.param]: FlatShard(r.model_data, r.param.spec, (r.start, r.stop))
                 for r in self.owned_ranges()}
