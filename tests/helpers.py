@@ -6,6 +6,12 @@ level here.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
+import os
+import re
+
 import torch
 
 import pretrain_gpt
@@ -16,14 +22,18 @@ from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.parallel import mappings
+from megatron_lite.parallel.p2p import TRACE_ENV
 from megatron_lite.parallel.state import ParallelState
+from megatron_lite.pipeline.schedules import ScheduleStats
 from megatron_lite.training import (
     build_data_iterator,
     build_datasets,
     build_model,
+    get_schedule,
     initialize,
     model_chunk_plans,
     pretrain,
+    reduce_loss,
     train_step,
 )
 from tests.tolerances import assert_close_relative
@@ -200,3 +210,62 @@ def forward_backward(values: dict, pstate: ParallelState, world_size: int) -> di
         if valid is not None:
             result["padded_grads"][name] = grad[valid:]
     return result
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
+def one_step(values: dict, world_size: int, trace: bool = False) -> dict:
+    """A forward-only pass over one global batch, then one training step's gradients, with schedule stats."""
+    config = make_config(values, world_size)
+    pstate, device = initialize(config)
+    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+    train_ds, _, _ = build_datasets(config)
+    schedule = get_schedule(config)
+    stats, stderr = ScheduleStats(), io.StringIO()
+    with contextlib.redirect_stderr(stderr), _environment(TRACE_ENV, "1" if trace else "0"):
+        with torch.no_grad():
+            reports, _ = schedule(pretrain_gpt.forward_step, build_data_iterator(train_ds, config, pstate, 0),
+                                  model, config.num_microbatches, pstate=pstate, config=config, forward_only=True)
+        eval_loss = float(reduce_loss(reports, pstate, device))
+        reports, tokens = schedule(pretrain_gpt.forward_step, build_data_iterator(train_ds, config, pstate, 0),
+                                   model, config.num_microbatches, pstate=pstate, config=config, stats=stats)
+    finalize_model_grads(model, pstate, tokens)
+    return {"eval_loss": eval_loss, "loss": float(reduce_loss(reports, pstate, device)),
+            "stage": pstate.pp_rank,
+            "grads": parameter_records(model, lambda p: p.main_grad), "peak_live": stats.peak_live,
+            "forwards": sum(kind == "F" for kind, *_ in stats.events), "trace": stderr.getvalue()}
+
+
+_OP = re.compile(r"rank (\d+) (?:->|<-) rank (\d+) (send|recv) (activation|gradient) microbatch (\d+) chunk (\d+)")
+
+
+def assert_sends_pair_with_receives(results: list[dict], pp: int, v: int, m: int):
+    """Each send (rank, peer, micro-batch, chunk) of an evaluation and a training pass is received by that peer
+    for the same micro-batch, by the chunk that follows in the ring (the last stage's chunk c feeds the first
+    stage's chunk c + 1)."""
+    sends, receives = collections.Counter(), collections.Counter()
+    for r in results:
+        for rank, peer, kind, what, mb, chunk in _OP.findall(r["trace"]):
+            rank, peer, mb, chunk = int(rank), int(peer), int(mb), int(chunk)
+            if kind == "recv":
+                receives[(peer, rank, what, mb, chunk)] += 1
+            elif what == "activation":  # with PP alone a global rank is its stage
+                sends[(rank, peer, what, mb, chunk + (peer == 0))] += 1
+            else:
+                sends[(rank, peer, what, mb, chunk - (rank == 0))] += 1
+        assert len(re.findall(r"stage \d+ busy .* peak live micro-batches", r["trace"])) == 2
+    assert sends == receives
+    per_pass = m * (pp * v - 1)  # hand-overs between consecutive virtual stages
+    assert sum(n for key, n in sends.items() if key[2] == "activation") == 2 * per_pass  # evaluation + training
+    assert sum(n for key, n in sends.items() if key[2] == "gradient") == per_pass

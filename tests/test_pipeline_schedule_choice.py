@@ -5,17 +5,18 @@ of the step; every send is received; bad combinations are one-line errors."""
 
 import pytest
 
+from megatron_lite.config import ConfigError, make_config
 from tests.harness import run_on_ranks
-from tests.test_pipeline_config import error_for
-from tests.test_pipeline_parallel import (
+from tests.helpers import (
     TINY_8_LAYERS,
     assert_run_matches,
+    assert_sends_pair_with_receives,
     assert_tensors_match,
     join_shards,
+    one_step,
     reference,
     train_and_collect,
 )
-from tests.test_pipeline_schedules import assert_sends_pair_with_receives, one_step
 
 SCHEDULES = ("gpipe",)
 CASES = [(pp, m) for pp in (2, 4) for m in (3, 8)]  # m below and above the number of stages
@@ -79,4 +80,6 @@ def test_gpipe_with_tp2_and_sequence_parallel_trains_as_one_process():
         "--num-virtual-stages-per-pipeline-rank or use 1f1b"),
 ])
 def test_bad_schedule_combinations_are_one_line_errors(values, world_size, message):
-    assert error_for(values, world_size) == message
+    with pytest.raises(ConfigError) as error:
+        make_config({**TINY_8_LAYERS, **values}, world_size)
+    assert str(error.value) == message
