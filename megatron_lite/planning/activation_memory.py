@@ -26,7 +26,9 @@ tensors it would free are saved by the neighbouring layers anyway).
 In flight: no pipelining 1 micro-batch; 1F1B min(P - p, m) on stage p; GPipe m; interleaved 1F1B
 min(2 (P - p - 1) + (v - 1) P + 1, m v) chunk micro-batches of L / (P v) layers each (schedules.py's
 warm-up counts plus the one in its steady state). The loss's tensors are live for one micro-batch at a
-time (GPipe: m).
+time (GPipe: m). The peak is the larger of the forward's (everything held, plus the logits beside the loss)
+and the backward's (the loss's tensors of the micro-batch being backpropagated freed; a recomputed unit
+rebuilt and the MLP's gradients, of fc1's output and one ffn-wide tensor, in flight).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class ActivationBytes:
 
     per_microbatch: int  # saved by one micro-batch through all of this stage's layers (and the loss, last stage)
     in_flight: float  # micro-batches (of the whole stage) the schedule holds at once
-    transient: int  # the largest short-lived buffer on top (logits beside the loss, a recomputed unit)
+    transient: int  # on top at the peak: logits beside the loss, or a recomputed unit and backward's gradients
     peak: int
 
 
@@ -149,6 +151,16 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
         in_flight, head_live = min(pp - pp_rank, micro), 1
     else:
         in_flight, head_live = 1, 1
-    held = in_flight * sum(chunk_saved) + head_live * head_saved
-    transient = max(head_transient, rebuild)
-    return ActivationBytes(per_microbatch, in_flight, transient, round(held + transient))
+    layers_held = in_flight * sum(chunk_saved)
+    forward_peak = layers_held + head_live * head_saved + head_transient
+    backward_peak = layers_held + (head_live - 1) * head_saved + rebuild + _mlp_gradients(config)
+    peak = max(forward_peak, backward_peak)
+    return ActivationBytes(per_microbatch, in_flight, round(peak - layers_held - head_live * head_saved), round(peak))
+
+
+def _mlp_gradients(config: Config) -> int:
+    """The gradients in flight in an MLP's backward: of fc1's output and of one ffn-wide tensor."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    tokens, _ = _tokens(config)
+    ffn = max(m.ffn_hidden_size, m.moe_ffn_hidden_size * m.moe_router_topk if m.num_experts else 0) // tp
+    return tokens * param_bytes(config) * ((2 if m.swiglu else 1) + 1) * ffn
