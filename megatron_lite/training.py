@@ -33,6 +33,7 @@ from megatron_lite.parallel import lifecycle, mappings
 from megatron_lite.parallel.random import set_random_seed
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
+from megatron_lite.planning.report import theoretical_memory_report
 from megatron_lite.profiling import StepProfiler
 from megatron_lite.timers import PhaseTimers
 from megatron_lite.validation import pipeline_stage_layers
@@ -349,6 +350,8 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
     """Build the model and optimizer, resume, and iterate: log, evaluate, save, stop when told to."""
     train_ds, valid_ds, _ = datasets
     c, t = config.checkpoint, config.training
+    if pstate.rank == 0:
+        print(theoretical_memory_report(config), flush=True)
     model = build_model(config, pstate, model_provider, device)
     optimizer = build_optimizer(config, model, pstate)
     resume = checkpointer.load_checkpoint(model, optimizer) if c.load else ResumeState()

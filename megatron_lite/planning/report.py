@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from megatron_lite.planning.layouts import Plan
+from megatron_lite.config import Config
+from megatron_lite.planning.layouts import Plan, plan_layout
+from megatron_lite.planning.step_time import Hardware
 
 GIB = 2**30
 
@@ -90,8 +92,9 @@ def plan_record(plan: Plan) -> dict:
                        for s in plan.stages]}
 
 
-def theoretical_memory_report(plan: Plan) -> str:
-    """The start-up block: per stage, what each rank should hold (pretrain_gpt.py prints it on rank 0)."""
-    lines = ["theoretical memory per rank (GiB; act/mb: activations of one micro-batch, act pk: at the schedule's "
-             "peak; see tools/plan_layout.py):", *stage_lines(plan)]
-    return "\n".join(lines)
+def theoretical_memory_report(config: Config) -> str:
+    """The start-up block, as Megatron's theoretical memory report: what each rank of each pipeline stage
+    should hold for this run's layout (pretrain_gpt.py prints it on rank 0)."""
+    plan = plan_layout(config, memory_bytes=0, hardware=Hardware())
+    return "\n".join([f"theoretical memory per rank, GiB ({layout_name(plan)}; act/mb: activations of one "
+                      f"micro-batch, act pk: at the schedule's peak; see tools/plan_layout.py):", *stage_lines(plan)])
