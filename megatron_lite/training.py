@@ -249,8 +249,7 @@ def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> torch.Ten
         totals[0] += loss_sum.double()
         totals[1] += tokens.double()
     mappings.all_reduce(totals, pstate.group("dp_cp"))
-    if pstate.group("pp") is not None:
-        dist.broadcast(totals, src=pstate.pp_ranks[-1], group=pstate.group("pp"))
+    mappings.broadcast(totals, pstate.pp_ranks[-1], pstate.group("pp"))
     return totals[0] / totals[1]
 
 

@@ -85,3 +85,17 @@ def test_package_uses_only_torch_distributed_names_of_the_floor_version():
 def test_pyproject_states_the_checked_floor():
     requirement = re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text())
     assert requirement is not None and requirement.group(1) == FLOOR
+
+
+TENSOR_COMMUNICATION = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                        "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+                        "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv", "reduce",
+                        "gather", "scatter"}
+
+
+def test_tensors_are_communicated_through_mappings_only():
+    """parallel/mappings.py is the one place the package sends tensors, so wrapping it counts every transfer."""
+    outside = {f"{path.relative_to(ROOT)}:{line} {name}" for path in SOURCES if path.name != "mappings.py"
+               for name, line in distributed_names_used(path).items() if name in TENSOR_COMMUNICATION}
+    assert not outside, f"tensor collectives called outside parallel/mappings.py: {sorted(outside)}"
+    assert TENSOR_COMMUNICATION & set(distributed_names_used(ROOT / "megatron_lite/parallel/mappings.py"))

@@ -59,6 +59,7 @@ from megatron_lite.checkpoint.save_lock import SaveLock, unwritable
 from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config import Config
 from megatron_lite.model.sharding import FlatShard
+from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 
 FORMAT = "megatron_lite/dcp/1"
@@ -345,7 +346,7 @@ class Checkpointer:
         loading = {piece.key for piece in pieces}
         loaded = torch.tensor([key in loading for key in keys], dtype=torch.int32)
         if self.group is not None:
-            dist.all_reduce(loaded, op=dist.ReduceOp.MAX, group=self.group)
+            mappings.all_reduce(loaded, self.group, op=dist.ReduceOp.MAX)
         return next((key for key, flag in zip(keys, loaded.tolist()) if not flag), None)
 
     def _log(self, message: str) -> None:

@@ -301,10 +301,10 @@ class _Ring:
     def shift(self, tensor: torch.Tensor, tag: int):
         """Start sending `tensor` to the next rank and receiving the previous rank's; wait() the works."""
         received = torch.empty_like(tensor)
-        ops = [(dist.isend, tensor, self.next), (dist.irecv, received, self.prev)]
+        ops = [(mappings.isend, tensor, self.next), (mappings.irecv, received, self.prev)]
         if self.rank % 2:
             ops.reverse()
-        return received, [op(t, peer, group=self.group, tag=tag) for op, t, peer in ops]
+        return received, [op(t, peer, self.group, tag) for op, t, peer in ops]
 
 
 def _wait(works) -> None:

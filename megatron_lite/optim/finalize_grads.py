@@ -34,8 +34,7 @@ def _all_reduce_grads(grads: list[torch.Tensor], group) -> None:
 def global_token_count(local_tokens: torch.Tensor, pstate: ParallelState) -> torch.Tensor:
     """Tokens of the global batch: the last stage's count, shared over the pipeline, summed over dp x cp."""
     count = local_tokens.detach().clone().double()
-    if pstate.group("pp") is not None:
-        torch.distributed.broadcast(count, src=pstate.pp_ranks[-1], group=pstate.group("pp"))
+    mappings.broadcast(count, pstate.pp_ranks[-1], pstate.group("pp"))
     return mappings.all_reduce(count, pstate.group("dp_cp"))
 
 

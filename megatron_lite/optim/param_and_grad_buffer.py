@@ -127,7 +127,7 @@ class Bucket:
             if self.group is None:
                 return
             if not self.stage.shards_optimizer_state:
-                self.grad_handle = dist.all_reduce(self.grad_data, group=self.group, async_op=True)
+                self.grad_handle = mappings.start_all_reduce(self.grad_data, self.group)
             else:
                 shard = self.grad_data[self.shard_start:self.shard_start + self.shard_size]
                 self.grad_handle = mappings.reduce_scatter_tensor(shard, self.grad_data, self.group, async_op=True)

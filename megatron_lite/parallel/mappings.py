@@ -13,8 +13,10 @@ a tensor-parallel layer are exactly the gradients of the unsplit layer:
   all_to_all                               all-to-all dim 0 | all-to-all back (uneven splits: MoE tokens)
 
 A group of None means "no parallelism here" and every op is the identity. The module also holds the
-plain (non-autograd) collectives the rest of the package uses, so that no layer calls torch.distributed
-directly and a count of collectives (tests) can wrap one place.
+plain (non-autograd) collectives and point-to-point transfers of tensors the rest of the package uses, so
+that no layer calls torch.distributed directly and a count of collectives (tests) can wrap one place. The
+control plane alone calls torch.distributed itself: object collectives and barriers of checkpoint agreement
+(checkpoint/) and of start-up (parallel/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 # ---------------------------------------------------------------------------------------------------
-# Plain collectives (no autograd). Every collective of the package goes through these functions.
+# Plain collectives and point-to-point transfers (no autograd). Every tensor the package communicates goes
+# through these functions.
 
 
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -31,6 +34,28 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     if group is not None:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def start_all_reduce(tensor: torch.Tensor, group):
+    """Launch an in-place sum over `group` and return its work (wait() before reading `tensor`)."""
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
+    """In place: every rank of `group` gets global rank `src`'s `tensor`; a no-op without a group."""
+    if group is not None:
+        dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def isend(tensor: torch.Tensor, peer: int, group, tag: int = 0):
+    """Start sending `tensor` to global rank `peer`; returns the work."""
+    return dist.isend(tensor, dst=peer, group=group, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, peer: int, group, tag: int = 0):
+    """Start receiving into `tensor` from global rank `peer`; returns the work."""
+    return dist.irecv(tensor, src=peer, group=group, tag=tag)
 
 
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):

@@ -24,8 +24,8 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
+from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 
 TRACE_ENV = "MEGATRON_LITE_PP_TRACE"
@@ -84,9 +84,9 @@ class PipelineCommunicator:
                 trace(f"rank {self.pstate.rank} {arrow} rank {peer} {kind} {what} "
                       f"microbatch {label[0]} chunk {label[1]}")
             if kind == "send":
-                handles.append(dist.isend(tensor.contiguous(), dst=peer, group=self.group, tag=tag))
+                handles.append(mappings.isend(tensor.contiguous(), peer, self.group, tag))
             else:
-                handles.append(dist.irecv(tensor, src=peer, group=self.group, tag=tag))
+                handles.append(mappings.irecv(tensor, peer, self.group, tag))
         for handle in handles:
             handle.wait()
         return from_prev, from_next
