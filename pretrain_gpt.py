@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.state import ParallelState
-    from megatron_lite.training import ChunkPlan
+    from megatron_lite.pipeline.layer_split import ChunkPlan
 
 
 def model_provider(config: Config, pstate: ParallelState, plan: ChunkPlan, device: torch.device) -> GPTModel:

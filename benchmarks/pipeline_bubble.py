@@ -29,6 +29,7 @@ import torch.distributed as dist
 from benchmarks.results_file import record_result
 from megatron_lite import training
 from megatron_lite.config import make_config
+from megatron_lite.pipeline import layer_split
 from megatron_lite.pipeline.schedules import ScheduleStats
 from tests.harness import close_all_worlds, run_on_ranks
 
@@ -92,7 +93,7 @@ def measure(p: int, v: int, m: int, forward_s: float, steps: int) -> dict:
         values["num_layers_per_virtual_pipeline_stage"] = 1
     config = make_config(values, p)
     pstate, _ = training.initialize(config)
-    plans = training.model_chunk_plans(config, pstate.pp_rank)
+    plans = layer_split.model_chunk_plans(config, pstate.pp_rank)
     model = [TimedChunk(forward_s / v, plan.pre_process) for plan in plans]
     data = _batches((SHAPE["seq_length"], SHAPE["micro_batch_size"], SHAPE["hidden_size"]))
     schedule = training.get_schedule(config)

@@ -31,6 +31,7 @@ from benchmarks.results_file import record_result
 from megatron_lite import training
 from megatron_lite.config import make_config
 from megatron_lite.parallel.state import Layout, ParallelState
+from megatron_lite.pipeline import layer_split
 from tests.harness import run_on_ranks
 
 SHAPE = {"model_preset": "llama-tiny", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
@@ -42,7 +43,8 @@ def parameter_bytes(tp: int) -> dict:
     """This rank's parameter bytes by kind, for the model at tensor-parallel size `tp`."""
     config = make_config({**SHAPE, "tensor_model_parallel_size": tp}, 4)
     pstate = ParallelState.build(Layout.from_world(4, tp=tp))
-    model = pretrain_gpt.model_provider(config, pstate, training.model_chunk_plans(config, 0)[0], torch.device("cpu"))
+    plan = layer_split.model_chunk_plans(config, 0)[0]
+    model = pretrain_gpt.model_provider(config, pstate, plan, torch.device("cpu"))
     kinds = {"layer_weights": 0, "vocabulary": 0, "replicated": 0}
     for param in model.parameters():
         if param.spec.tp_dim is None:

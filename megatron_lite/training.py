@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,10 +32,10 @@ from megatron_lite.parallel import lifecycle, mappings
 from megatron_lite.parallel.random import set_random_seed
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
+from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.planning.report import theoretical_memory_report
 from megatron_lite.profiling import StepProfiler
 from megatron_lite.timers import PhaseTimers
-from megatron_lite.validation import pipeline_stage_layers
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -62,30 +61,6 @@ def initialize(config: Config) -> tuple[ParallelState, torch.device]:
     pstate = ParallelState.build(layout, timeout) if world_size > 1 else ParallelState.single()
     set_random_seed(config.training.seed, pstate.pp_rank)
     return pstate, device
-
-
-@dataclass
-class ChunkPlan:
-    """What one model chunk of this rank holds."""
-
-    layer_offset: int
-    num_layers: int
-    pre_process: bool
-    post_process: bool
-
-
-def model_chunk_plans(config: Config, pp_rank: int) -> list[ChunkPlan]:
-    """The layers of each of this stage's model chunks (several with the interleaved schedule).
-
-    With v chunks per stage, each stage's layers are split evenly among its chunks (Megatron's rule, uneven
-    first and last stages included): with L[p] = layers of stage p / v, chunk c of stage p holds L[p] layers
-    starting at c * sum(L) + sum(L[:p]), so micro-batches flow 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ... .
-    """
-    pp = config.parallel.pipeline_model_parallel_size
-    chunks = config.virtual_pipeline_stages or 1
-    per_chunk = [count // chunks for count in pipeline_stage_layers(config)]
-    return [ChunkPlan(c * sum(per_chunk) + sum(per_chunk[:pp_rank]), per_chunk[pp_rank],
-                      c == 0 and pp_rank == 0, c == chunks - 1 and pp_rank == pp - 1) for c in range(chunks)]
 
 
 def params_dtype(config: Config) -> torch.dtype:

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_lite.errors import UserError
+from megatron_lite.pipeline.layer_split import pipeline_stage_layers
 
 if TYPE_CHECKING:
     from megatron_lite.config import Config
@@ -128,22 +129,6 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
         problems.append(f"--pipeline-schedule {p.pipeline_schedule} needs pipeline-model-parallel-size > 1")
     problems += _pipeline_split_problems(config) + _context_parallel_problems(config)
     return problems
-
-
-def pipeline_stage_layers(config: Config) -> list[int]:
-    """Number of layers on each pipeline stage (before virtual-stage interleaving)."""
-    m, p = config.model, config.parallel
-    pp = p.pipeline_model_parallel_size
-    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    middle_stages = pp - (first is not None) - (last is not None)
-    remaining = m.num_layers - (first or 0) - (last or 0)
-    per_middle = remaining // middle_stages if middle_stages else 0
-    counts = [per_middle] * pp
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    return counts
 
 
 def _pipeline_split_problems(config: Config) -> list[str]:

@@ -24,6 +24,7 @@ from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.p2p import TRACE_ENV
 from megatron_lite.parallel.state import ParallelState
+from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.pipeline.schedules import ScheduleStats
 from megatron_lite.training import (
     build_data_iterator,
@@ -31,7 +32,6 @@ from megatron_lite.training import (
     build_model,
     get_schedule,
     initialize,
-    model_chunk_plans,
     pretrain,
     reduce_loss,
     train_step,

@@ -20,7 +20,8 @@ from megatron_lite.model.attention import Documents, document_attention, flex_do
 from megatron_lite.model.context_parallel import CpuFlashKernel, RingAttention, document_spans, load_balanced_indices
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.training import _collate, model_chunk_plans
+from megatron_lite.pipeline.layer_split import model_chunk_plans
+from megatron_lite.training import _collate
 from tests.harness import run_on_ranks
 from tests.helpers import assert_run_matches, train_and_collect
 from tests.tolerances import assert_close_relative

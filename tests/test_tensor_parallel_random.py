@@ -17,7 +17,7 @@ from megatron_lite.model.sharding import unshard
 from megatron_lite.model.transformer import HiddenDropout
 from megatron_lite.parallel.random import RNGTracker, set_random_seed
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.training import ChunkPlan, model_chunk_plans
+from megatron_lite.pipeline.layer_split import ChunkPlan, model_chunk_plans
 from tests.harness import run_on_ranks
 from tests.helpers import gather_pieces
 from tests.tolerances import assert_close_relative
