@@ -1,6 +1,6 @@
 """How the decoder's layers are split over the pipeline stages and, when interleaved, over each stage's model
-chunks. Free of torch: validation.py checks a layout with it before torch is imported, and the training loop
-builds the model chunks from it.
+chunks. Free of torch: validation.py checks a layout with it before torch is imported; the training loop and the
+layout planner (planning/) take the model chunks from it.
 """
 
 from __future__ import annotations

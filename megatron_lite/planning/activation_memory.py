@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
-from megatron_lite.planning.state_memory import FP32, chunk_layers, param_bytes
+from megatron_lite.pipeline.layer_split import model_chunk_plans
+from megatron_lite.planning.state_memory import FP32, param_bytes
 
 INDEX = 8  # int64 token ids and labels
 
@@ -120,7 +121,7 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
     e = param_bytes(config)
     tokens, stream = _tokens(config)
     pp, micro = p.pipeline_model_parallel_size, config.num_microbatches
-    chunks = chunk_layers(config, pp_rank)
+    chunks = model_chunk_plans(config, pp_rank)
     chunk_saved, rebuild = [], 0
     for chunk in chunks:
         recomputed = _recomputed_layers(config, chunk.num_layers)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
-from megatron_lite.validation import pipeline_stage_layers
+from megatron_lite.pipeline.layer_split import ChunkPlan, model_chunk_plans
 
 FP32 = 4
 
@@ -36,16 +36,6 @@ class ParamShape:
     expert: bool = False
     unit: int = -1  # ZeRO-3 gathering unit: the chunk-local layer index, -1 for the rest of the chunk
     isolated: bool = False  # the tied-embedding copy that the first and last stage keep equal
-
-
-@dataclass(frozen=True)
-class ChunkLayers:
-    """The layers one model chunk holds and whether it has the embedding (first) or output layer (last)."""
-
-    layer_offset: int
-    num_layers: int
-    pre_process: bool
-    post_process: bool
 
 
 @dataclass
@@ -67,15 +57,6 @@ def param_bytes(config: Config) -> int:
     """Bytes per model weight: 2 with --bf16/--fp16, else 4."""
     o = config.optimizer
     return 2 if (o.bf16 or o.fp16) else FP32
-
-
-def chunk_layers(config: Config, pp_rank: int) -> list[ChunkLayers]:
-    """The model chunks of pipeline stage `pp_rank` (several with virtual stages), as training.py builds them."""
-    pp = config.parallel.pipeline_model_parallel_size
-    chunks = config.virtual_pipeline_stages or 1
-    per_chunk = [count // chunks for count in pipeline_stage_layers(config)]
-    return [ChunkLayers(c * sum(per_chunk) + sum(per_chunk[:pp_rank]), per_chunk[pp_rank],
-                        c == 0 and pp_rank == 0, c == chunks - 1 and pp_rank == pp - 1) for c in range(chunks)]
 
 
 def _linear(out_features: int, in_features: int, bias: bool, tp_dim: int | None, tp: int) -> list[int]:
@@ -110,7 +91,7 @@ def _layer_params(config: Config, layer_number: int, unit: int) -> list[ParamSha
     return [ParamShape(n, unit=unit) for n in dense] + [ParamShape(n, expert=True, unit=unit) for n in expert]
 
 
-def chunk_params(config: Config, chunk: ChunkLayers) -> list[ParamShape]:
+def chunk_params(config: Config, chunk: ChunkPlan) -> list[ParamShape]:
     """A GPTModel chunk's parameters in `module.parameters()` order."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
@@ -150,7 +131,7 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def chunk_state_bytes(config: Config, chunk: ChunkLayers, dp_rank: int = 0, offload_fraction: float = 0.0
+def chunk_state_bytes(config: Config, chunk: ChunkPlan, dp_rank: int = 0, offload_fraction: float = 0.0
                       ) -> StateBytes:
     """What one model chunk costs the rank at index `dp_rank` of its dp x cp group (its index in the
     expert-data-parallel group is dp_rank // ep, as parallel/state.py orders ranks). Index 0 holds the most:
@@ -191,7 +172,7 @@ def chunk_state_bytes(config: Config, chunk: ChunkLayers, dp_rank: int = 0, offl
 def stage_state_bytes(config: Config, pp_rank: int, dp_rank: int = 0, offload_fraction: float = 0.0) -> StateBytes:
     """Parameters, gradients and optimizer state of a rank of pipeline stage `pp_rank`, all its chunks."""
     total = StateBytes()
-    for chunk in chunk_layers(config, pp_rank):
+    for chunk in model_chunk_plans(config, pp_rank):
         part = chunk_state_bytes(config, chunk, dp_rank, offload_fraction)
         for name in ("params", "grads", "optimizer", "optimizer_on_host", "numel"):
             setattr(total, name, getattr(total, name) + getattr(part, name))
