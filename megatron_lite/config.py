@@ -10,8 +10,11 @@ one line.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import os
+import textwrap
 from dataclasses import dataclass, field
 
 import yaml
@@ -24,51 +27,109 @@ from megatron_lite.validation import ConfigError, validate
 @dataclass
 class ModelConfig:
     num_layers: int = 2
+    """transformer layers of the decoder"""
     hidden_size: int = 128
-    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    """width of the residual stream"""
+    ffn_hidden_size: int | None = None
+    """inner width of the MLP (per half with --swiglu); default: 4 x hidden-size"""
     num_attention_heads: int = 4
+    """query heads of each attention layer"""
     group_query_attention: bool = False
-    num_query_groups: int | None = None  # default num_attention_heads (plain multi-head attention)
+    """share each key/value head among several query heads (--num-query-groups)"""
+    num_query_groups: int | None = None
+    """key/value heads, with --group-query-attention; default: num-attention-heads (plain multi-head attention)"""
     seq_length: int = 128
-    max_position_embeddings: int | None = None  # default seq_length
+    """tokens per training sample"""
+    max_position_embeddings: int | None = None
+    """positions the model supports (rows of the learned position table); default: seq-length"""
     normalization: str = "LayerNorm"
+    """the norm before attention, before the MLP and at the end (GPT-2: LayerNorm, Llama: RMSNorm)"""
     norm_epsilon: float = 1e-5
+    """epsilon added to the variance inside every norm"""
     swiglu: bool = False
-    openai_gelu: bool = False  # GPT-2's tanh approximation of GELU instead of the exact erf form
+    """SwiGLU MLP (silu(x W_gate) * x W_up) instead of GELU (Llama)"""
+    openai_gelu: bool = False
+    """GPT-2's tanh approximation of GELU instead of the exact erf form"""
     position_embedding_type: str = "learned_absolute"
+    """learned_absolute: a learned table added to the embeddings (GPT-2); rope: rotary embeddings of queries and keys
+    (Llama)"""
     rotary_base: float = 10000.0
-    kv_channels: int | None = None  # the head dimension; default hidden_size / num_attention_heads
-    qk_layernorm: bool = False  # a --normalization norm on each query and key head (Qwen3)
-    add_qkv_bias: bool = False  # a bias on the QKV projection, even with --disable-bias-linear (Qwen2)
-    use_rope_scaling: bool = False  # Llama 3.1's RoPE frequency scaling (see _HELP)
+    """base of RoPE's frequencies (Llama 3: 500000)"""
+    kv_channels: int | None = None
+    """the dimension of each attention head (Qwen3: 128 at hidden size 1024 with 16 heads); default: hidden-size /
+    num-attention-heads"""
+    qk_layernorm: bool = False
+    """normalize each query and key head over its head dimension, before RoPE, with a norm of the --normalization kind
+    (Qwen3)"""
+    add_qkv_bias: bool = False
+    """a bias on the QKV projection only, also with --disable-bias-linear (Qwen2)"""
+    use_rope_scaling: bool = False
+    """Llama 3.1's RoPE scaling: rotary frequencies with wavelengths above original-max-position-embeddings /
+    low-freq-factor are divided by --rope-scaling-factor, those below original-max-position-embeddings /
+    high-freq-factor kept, those between interpolated"""
     rope_scaling_factor: float = 8.0
+    """with --use-rope-scaling: how much the low frequencies are slowed (Llama 3.1: 8, 3.2: 32)"""
     rope_scaling_low_freq_factor: float = 1.0
+    """with --use-rope-scaling: see there"""
     rope_scaling_high_freq_factor: float = 4.0
+    """with --use-rope-scaling: see there"""
     rope_scaling_original_max_position_embeddings: int = 8192
+    """with --use-rope-scaling: the context length of pretraining before the scaling"""
     untie_embeddings_and_output_weights: bool = False
+    """an output layer of its own instead of the transposed input embedding table (Llama 3 8B; GPT-2 and Llama 3.2 1B
+    tie them)"""
     disable_bias_linear: bool = False
+    """no biases in the linear layers (Llama)"""
     hidden_dropout: float = 0.1
+    """dropout on the residual stream after attention and after the MLP"""
     attention_dropout: float = 0.1
+    """dropout on the attention probabilities (0 with context parallelism)"""
     init_method_std: float = 0.02
-    vocab_size: int | None = None  # only with --mock-data; otherwise the tokenizer's
+    """standard deviation of the normal initial weights (output projections are divided by sqrt(2 x num-layers))"""
+    vocab_size: int | None = None
+    """vocabulary of --mock-data; with a corpus, the tokenizer's"""
     make_vocab_size_divisible_by: int = 128
+    """the embedding and output tables are padded to a multiple of this times tensor-model-parallel-size rows"""
     model_preset: str | None = None
+    """a named model shape (presets.py) that fills the model flags; explicit flags override it"""
     # Mixture of Experts
     num_experts: int | None = None
+    """routed experts per MoE layer; unset: dense MLPs"""
     moe_router_topk: int = 2
+    """experts each token is routed to"""
     moe_ffn_hidden_size: int | None = None
+    """inner width of each expert's MLP; default: ffn-hidden-size"""
     moe_aux_loss_coeff: float = 0.0
+    """weight of the load-balancing auxiliary loss (Switch Transformer's)"""
     moe_z_loss_coeff: float = 0.0
+    """weight of the router z-loss (ST-MoE's), which keeps the router's logits small"""
     moe_expert_capacity_factor: float | None = None
+    """each expert takes at most factor x tokens x topk / experts tokens, the rest dropped; unset: dropless"""
     moe_layer_freq: int = 1
+    """every N-th layer is an MoE layer, starting with the first"""
     moe_token_dispatcher_type: str = "alltoall"
+    """how tokens reach the experts of other expert-parallel ranks: alltoall sends each token where it goes, allgather
+    gathers every token everywhere"""
     moe_router_pre_softmax: bool = False
+    """softmax over all experts before the top-k (Mixtral normalizes over the chosen k after it)"""
     # Execution choices that change no numbers
     recompute_granularity: str | None = None
-    recompute_method: str | None = None  # which layers full recomputation covers (see _HELP)
+    """activation recomputation: full recomputes whole layers in backward (see --recompute-method), selective only the
+    core attention"""
+    recompute_method: str | None = None
+    """with --recompute-granularity full: uniform checkpoints every layer, in groups of --recompute-num-layers
+    consecutive layers whose inputs alone are kept; block checkpoints only the first --recompute-num-layers layers of
+    each model chunk (pipeline stage, or virtual stage when interleaved); unset: the first --recompute-num-layers
+    layers of each chunk, every layer without it"""
     recompute_num_layers: int | None = None
+    """layers per recomputed group (uniform), or recomputed layers per model chunk (block)"""
     attention_backend: str = "auto"
-    torch_compile: bool = False  # each transformer layer compiled with torch.compile (see _HELP)
+    """auto and sdpa: torch's scaled_dot_product_attention (fused kernels on CUDA); flash: the flash-attn package"""
+    torch_compile: bool = False
+    """compile each transformer layer with torch.compile (inductor), eager elsewhere; losses equal eager's (tested on
+    CPU, fp32). Off by default: on 2 CPU threads a training step measured 1.02-1.04x eager
+    (benchmarks/results/train_step.jsonl), not worth a compile of tens of seconds; on a GPU neither run nor measured
+    yet"""
 
     @property
     def head_dim(self) -> int:
@@ -78,127 +139,251 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
+    """ranks each layer's weights and heads are split over (Megatron's tensor parallelism)"""
     sequence_parallel: bool = False
+    """with tensor parallelism: split the norms' and dropouts' activations along the sequence too (reduce-scatter and
+    all-gather instead of all-reduce)"""
     context_parallel_size: int = 1
+    """ranks the sequence of each sample is split over (attention spans all of them)"""
     pipeline_model_parallel_size: int = 1
+    """pipeline stages the layers are split over"""
     num_layers_per_virtual_pipeline_stage: int | None = None
-    num_virtual_stages_per_pipeline_rank: int | None = None  # the interleaving set by chunks per stage instead
+    """layers per model chunk of the interleaved 1F1B schedule (each stage holds several chunks)"""
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    """model chunks per pipeline rank for the interleaved schedule, each stage's layers split evenly among them; unlike
+    --num-layers-per-virtual-pipeline-stage it allows --decoder-first/last-pipeline-num-layers"""
     decoder_first_pipeline_num_layers: int | None = None
+    """layers of the first pipeline stage, when it should hold fewer or more than the others (it also holds the
+    embedding)"""
     decoder_last_pipeline_num_layers: int | None = None
-    pipeline_schedule: str = "1f1b"  # 1f1b (interleaved with virtual stages) or gpipe (see _HELP)
+    """layers of the last pipeline stage (it also holds the output layer and the loss)"""
+    pipeline_schedule: str = "1f1b"
+    """with pipeline-model-parallel-size > 1: 1f1b (one forward one backward; interleaved when virtual stages are set)
+    holds at most P - p micro-batches' activations on stage p; gpipe runs all forwards, then all backwards, holding
+    all of them; same bubble (P - 1) / m"""
     cp_comm_type: str = "p2p"
-    hierarchical_context_parallel_sizes: list[int] | None = None  # A B with --cp-comm-type a2a+p2p (see _HELP)
+    """context-parallel attention: p2p (ring of K/V), allgather (all K/V gathered), a2a (Ulysses: all-to-all from a
+    sequence split to a head split and back; heads must divide by context-parallel-size), a2a+p2p (a2a within groups
+    of cp ranks, p2p across them: see --hierarchical-context-parallel-sizes)"""
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    """with --cp-comm-type a2a+p2p: A x B = context-parallel-size; each A adjacent cp ranks exchange heads by all-to-all
+    (heads must divide by A), and K/V go around a ring of the B groups"""
     expert_model_parallel_size: int = 1
-    use_distributed_optimizer: bool = False  # ZeRO-1 (optim), unless --data-parallel-sharding-strategy says more
+    """ranks the experts of each MoE layer are split over"""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: optimizer state and the step sharded over data-parallel ranks (ZeRO-1,
+    --data-parallel-sharding-strategy optim, unless that flag asks for more)"""
     overlap_grad_reduce: bool = False
+    """reduce each gradient bucket as soon as its gradients are complete in the last micro-batch's backward"""
     overlap_param_gather: bool = False
-    ddp_bucket_size: int = 40_000_000  # elements per gradient bucket (one collective each)
+    """with a sharded optimizer: all-gather updated parameters asynchronously, each module waiting for its own in
+    forward (ZeRO-3: prefetch the next layer)"""
+    ddp_bucket_size: int = 40_000_000
+    """elements per gradient bucket (one collective each)"""
     data_parallel_sharding_strategy: str = "no_shard"
-    data_parallel_size: int = 1  # derived from the world size, never a flag
+    """what a data-parallel rank keeps (optim/zero_stage.py): no_shard, optim (ZeRO-1: optimizer state), optim_grads
+    (ZeRO-2: and gradients), optim_grads_params (ZeRO-3: and parameters)"""
+    data_parallel_size: int = 1
+    """derived from the world size, never a flag"""
 
 
 @dataclass
 class OptimizerConfig:
     lr: float = 3e-4
+    """peak learning rate"""
     min_lr: float = 0.0
+    """learning rate at the end of the decay"""
     lr_warmup_iters: int = 0
+    """iterations to warm the learning rate up over, linearly from --lr-warmup-init to --lr"""
     lr_warmup_samples: int = 0
+    """samples to warm up over, with --train-samples"""
     lr_warmup_fraction: float | None = None
+    """warm up over this fraction of --lr-decay-iters/--lr-decay-samples, instead of
+    --lr-warmup-iters/--lr-warmup-samples"""
     lr_warmup_init: float = 0.0
+    """the learning rate warmup starts from (that of the first step)"""
     lr_decay_style: str = "cosine"
-    lr_decay_iters: int | None = None  # default train_iters
-    lr_decay_samples: int | None = None  # default train_samples
+    """after warmup: constant --lr; linear or cosine down to --min-lr over --lr-decay-iters; WSD (warmup-stable-decay):
+    --lr, then down to --min-lr in the last --lr-wsd-decay-iters of --lr-decay-iters by --lr-wsd-decay-style"""
+    lr_decay_iters: int | None = None
+    """iterations to decay the learning rate over, --min-lr after them; default: --train-iters"""
+    lr_decay_samples: int | None = None
+    """samples to decay over, with --train-samples; default: --train-samples"""
     lr_wsd_decay_style: str = "exponential"
+    """the shape of WSD's decay phase over the fraction t of it done: linear 1-t, cosine (1+cos(pi t))/2, exponential
+    2*0.5^t-1, minus_sqrt 1-sqrt(t)"""
     lr_wsd_decay_iters: int | None = None
+    """iterations of WSD's decay phase, the last of --lr-decay-iters (WSD needs it)"""
     lr_wsd_decay_samples: int | None = None
+    """samples of WSD's decay phase, with --train-samples"""
     weight_decay: float = 0.01
+    """decoupled weight decay (AdamW) of the weights; biases and norms have none"""
     weight_decay_incr_style: str = "constant"
+    """weight decay over the run: constant --weight-decay, or linear or cosine from --start-weight-decay to
+    --end-weight-decay"""
     start_weight_decay: float | None = None
+    """weight decay of the first step with --weight-decay-incr-style linear or cosine"""
     end_weight_decay: float | None = None
+    """weight decay of the last step with --weight-decay-incr-style linear or cosine"""
     adam_beta1: float = 0.9
+    """Adam's first-moment decay"""
     adam_beta2: float = 0.95
+    """Adam's second-moment decay"""
     adam_eps: float = 1e-8
+    """Adam's epsilon"""
     clip_grad: float = 1.0
+    """clip the global gradient norm to this (0: no clipping)"""
     bf16: bool = False
+    """bf16 weights and activations, fp32 gradients and master weights"""
     fp16: bool = False
-    loss_scale: float | None = None  # a fixed fp16 loss scale; dynamic when unset
+    """fp16 weights and activations with loss scaling, fp32 gradients and master weights"""
+    loss_scale: float | None = None
+    """a fixed fp16 loss scale; unset: dynamic"""
     initial_loss_scale: float = 2.0**32
+    """the dynamic fp16 loss scale to start from"""
     min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000  # steps without overflow before the dynamic loss scale doubles
-    hysteresis: int = 2  # overflows before the dynamic loss scale halves
-    check_for_nan_in_loss_and_grad: bool = True  # stop before applying a step whose loss or grad norm is not finite
+    """the dynamic fp16 loss scale never goes below this"""
+    loss_scale_window: int = 1000
+    """steps without overflow before the dynamic loss scale doubles"""
+    hysteresis: int = 2
+    """overflows before the dynamic loss scale halves"""
+    check_for_nan_in_loss_and_grad: bool = True
+    """stop before applying a step whose loss or gradient norm is not finite"""
 
 
 @dataclass
 class DataConfig:
     data_path: list[str] = field(default_factory=list)
-    data_args_path: str | None = None  # a file holding the --data-path words (see _HELP)
+    """[WEIGHT] PREFIX ... of .bin/.idx corpora (tools/preprocess_data.py), blended by weight and split by --split"""
+    data_args_path: str | None = None
+    """a file holding what --data-path would take (WEIGHT PREFIX pairs or prefixes, split on any whitespace), for blends
+    of hundreds of prefixes; instead of --data-path"""
     split: str = "969,30,1"
-    # Separate corpora per split instead of --data-path and --split (see _HELP)
+    """train,valid,test shares of each --data-path prefix's documents; does not apply to
+    --train-data-path/--valid-data-path/--test-data-path; default: 969,30,1"""
+    # Separate corpora per split instead of --data-path and --split
     train_data_path: list[str] = field(default_factory=list)
+    """[WEIGHT] PREFIX ... of an independent train corpus, read whole (instead of --data-path)"""
     valid_data_path: list[str] = field(default_factory=list)
+    """[WEIGHT] PREFIX ... of an independent validation corpus, read whole; none: no evaluation"""
     test_data_path: list[str] = field(default_factory=list)
-    mmap_bin_files: bool = True  # --no-mmap-bin-files reads the .bin with file reads (see _HELP)
+    """[WEIGHT] PREFIX ... of an independent test corpus, read whole"""
+    mmap_bin_files: bool = True
+    """memory-map the .bin files; --no-mmap-bin-files reads each sample with file reads instead (for file systems where
+    mapping is slow or refused); samples are the same"""
     mock_data: bool = False
+    """train on random tokens instead of a corpus"""
     tokenizer_type: str = "NullTokenizer"
+    """the tokenizer of the corpus (its end-of-document token separates documents)"""
     tokenizer_model: str | None = None
-    num_workers: int | None = None  # data loader processes per rank; default 2 on a GPU, 0 on the CPU
+    """the tokenizer's file or directory (SentencePiece .model, Hugging Face tokenizer.json directory)"""
+    num_workers: int | None = None
+    """data loader processes per rank; default: 2 on a GPU, 0 on the CPU"""
     data_cache_path: str | None = None
-    # Documents packed into a sequence, split at the tokenizer's end-of-document (EOD) token (see _HELP)
+    """where the datasets' sample indices are cached; default: cache/ beside each corpus"""
+    # Documents packed into a sequence, split at the tokenizer's end-of-document (EOD) token
     reset_position_ids: bool = False
+    """position ids restart at 0 after each end-of-document (EOD) token"""
     reset_attention_mask: bool = False
+    """a token attends only to the tokens of its own document (the EOD token ends its document): SDPA with a mask on the
+    CPU, FlexAttention on CUDA, document spans of the blocks under context parallelism; needs --attention-dropout 0"""
     eod_mask_loss: bool = False
+    """no loss at positions whose input token is an EOD (the prediction across documents)"""
 
 
 @dataclass
 class TrainingConfig:
     micro_batch_size: int = 1
-    global_batch_size: int | None = None  # default micro_batch_size * data parallel size
+    """samples per forward and backward on one rank"""
+    global_batch_size: int | None = None
+    """samples per optimizer step over all data-parallel ranks (gradient accumulation makes up the rest); default:
+    micro-batch-size x data-parallel size"""
     rampup_batch_size: list[int] | None = None
-    train_iters: int | None = None  # default 100, or the whole global batches in --train-samples
+    """the global batch starts at START and grows by INCREMENT in equal steps over SAMPLES consumed samples up to
+    --global-batch-size; the micro-batches per step follow (needs --train-samples)"""
+    train_iters: int | None = None
+    """iterations to train, or give --train-samples; default: 100"""
     train_samples: int | None = None
+    """samples to train, instead of --train-iters: as many iterations as whole global batches fit; the -samples schedule
+    flags go with it"""
     eval_interval: int = 1000
+    """iterations between evaluations on the validation split"""
     eval_iters: int = 10
+    """global batches of each evaluation"""
     seed: int = 1234
+    """seed of weights, data order and dropout"""
     device: str = "auto"
+    """auto: CUDA when available, else the CPU"""
     exit_signal_handler: bool = False
+    """on SIGTERM, save a checkpoint at the end of the step and exit 0"""
     exit_interval: int | None = None
+    """save and exit after this many iterations"""
     exit_duration_in_mins: float | None = None
-    distributed_timeout_minutes: float = 10.0  # a collective that waits longer ends the run
+    """save and exit once this many minutes have passed"""
+    distributed_timeout_minutes: float = 10.0
+    """a collective that waits longer ends the run with an error"""
 
 
 @dataclass
 class CheckpointConfig:
     save: str | None = None
+    """directory to save checkpoints to"""
     load: str | None = None
+    """directory to load the newest complete checkpoint from"""
     save_interval: int | None = None
+    """iterations between checkpoints (and one at the end)"""
     async_save: bool = False
+    """write checkpoints in a background thread while training goes on"""
     no_load_optim: bool = False
+    """load the weights only, not the optimizer state"""
     no_load_rng: bool = False
+    """do not restore the random generators' states"""
     finetune: bool = False
+    """load weights only and start from iteration 0 (no optimizer, random state or data position)"""
     keep_last_n: int | None = None
-    ckpt_step: int | None = None  # load this iteration of --load instead of the newest complete one
+    """keep only the newest N checkpoints"""
+    ckpt_step: int | None = None
+    """load this iteration of --load instead of the newest complete one"""
 
 
 @dataclass
 class LoggingConfig:
     log_interval: int = 1
-    wandb_project: str | None = None  # W&B logging on (default: $WANDB_PROJECT)
+    """iterations between log lines"""
+    wandb_project: str | None = None
+    """log to this Weights & Biases project; default: $WANDB_PROJECT"""
     wandb_exp_name: str | None = None
-    wandb_save_dir: str | None = None  # default: $WANDB_DIR, else ./wandb
-    tensorboard_dir: str | None = None  # TensorBoard logging on (needs the tensorboard extra)
-    tensorboard_log_interval: int = 1  # write TensorBoard scalars every N iterations
-    log_timers_to_tensorboard: bool = False  # also the phase times (time_*_ms, iteration_time_s)
-    log_memory_to_tensorboard: bool = False  # also the peak memory (memory_gib)
+    """the W&B run's name"""
+    wandb_save_dir: str | None = None
+    """the W&B run's local files; default: $WANDB_DIR, else ./wandb"""
+    tensorboard_dir: str | None = None
+    """write TensorBoard scalars here (needs the tensorboard extra)"""
+    tensorboard_log_interval: int = 1
+    """iterations between TensorBoard writes"""
+    log_timers_to_tensorboard: bool = False
+    """also the phase times (time_*_ms, iteration_time_s) to TensorBoard"""
+    log_memory_to_tensorboard: bool = False
+    """also the peak memory (memory_gib) to TensorBoard"""
     metrics_jsonl: str | None = None
+    """append every logged iteration's metrics to this JSON-lines file"""
     peak_tflops: float | None = None
-    debug: bool = False  # print tracebacks with errors (also MEGATRON_LITE_DEBUG=1)
+    """the device's peak TFLOP/s for MFU; default: read from the GPU's name"""
+    debug: bool = False
+    """print tracebacks with errors (also MEGATRON_LITE_DEBUG=1)"""
     profile: bool = False
+    """write a torch profiler trace (CPU, and CUDA on a GPU; Chrome/Perfetto JSON) of the steps from
+    --profile-step-start to --profile-step-end on each of --profile-ranks"""
     use_pytorch_profiler: bool = False
+    """accepted as in Megatron command lines: --profile always uses the torch profiler here"""
     profile_step_start: int = 10
+    """the first profiled step, counted from 0 as the iterations done before it (N: the step logged as iteration N+1)"""
     profile_step_end: int = 12
+    """the step profiling stops before (not profiled)"""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """the global ranks to profile; default: 0"""
     profile_dir: str | None = None
+    """where --profile writes rank<R>.pt.trace.json; default: --tensorboard-dir when set (as in Megatron), else
+    ./profile"""
 
 
 @dataclass
@@ -266,100 +451,6 @@ _DERIVED = {"data_parallel_size"}
 # Flags that take a fixed number of values, by the name of each value.
 _VALUE_NAMES = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES"),
                 "hierarchical_context_parallel_sizes": ("A", "B")}
-# Flags whose default needs explaining.
-_HELP = {
-    # Activation recomputation and layouts, with Megatron's meanings
-    "recompute_method": "with --recompute-granularity full: uniform checkpoints every layer, in groups of "
-                        "--recompute-num-layers consecutive layers whose inputs alone are kept; block checkpoints "
-                        "only the first --recompute-num-layers layers of each model chunk (pipeline stage, or "
-                        "virtual stage when interleaved); unset: the first --recompute-num-layers layers of each "
-                        "chunk, every layer without it",
-    "recompute_num_layers": "layers per recomputed group (uniform), or recomputed layers per model chunk (block)",
-    "num_virtual_stages_per_pipeline_rank": "model chunks per pipeline rank for the interleaved schedule, each "
-                                            "stage's layers split evenly among them; unlike "
-                                            "--num-layers-per-virtual-pipeline-stage it allows "
-                                            "--decoder-first/last-pipeline-num-layers",
-    "pipeline_schedule": "with pipeline-model-parallel-size > 1: 1f1b (one forward one backward; interleaved when "
-                         "virtual stages are set) holds at most P - p micro-batches' activations on stage p; gpipe "
-                         "runs all forwards, then all backwards, holding all of them; same bubble (P - 1) / m",
-    "cp_comm_type": "context-parallel attention: p2p (ring of K/V), allgather (all K/V gathered), a2a "
-                    "(Ulysses: all-to-all from a sequence split to a head split and back; heads must divide by "
-                    "context-parallel-size), a2a+p2p (a2a within groups of cp ranks, p2p across them: see "
-                    "--hierarchical-context-parallel-sizes)",
-    "hierarchical_context_parallel_sizes": "with --cp-comm-type a2a+p2p: A x B = context-parallel-size; each A "
-                                           "adjacent cp ranks exchange heads by all-to-all (heads must divide by "
-                                           "A), and K/V go around a ring of the B groups",
-    # Model families (model/attention.py)
-    "kv_channels": "the dimension of each attention head (Qwen3: 128 at hidden size 1024 with 16 heads); default: "
-                   "hidden-size / num-attention-heads",
-    "qk_layernorm": "normalize each query and key head over its head dimension, before RoPE, with a norm of the "
-                    "--normalization kind (Qwen3)",
-    "add_qkv_bias": "a bias on the QKV projection only, also with --disable-bias-linear (Qwen2)",
-    "use_rope_scaling": "Llama 3.1's RoPE scaling: rotary frequencies with wavelengths above "
-                        "original-max-position-embeddings / low-freq-factor are divided by --rope-scaling-factor, "
-                        "those below original-max-position-embeddings / high-freq-factor kept, those between "
-                        "interpolated",
-    "rope_scaling_factor": "with --use-rope-scaling: how much the low frequencies are slowed (Llama 3.1: 8, 3.2: 32)",
-    "rope_scaling_low_freq_factor": "with --use-rope-scaling: see there",
-    "rope_scaling_high_freq_factor": "with --use-rope-scaling: see there",
-    "rope_scaling_original_max_position_embeddings": "with --use-rope-scaling: the context length of pretraining "
-                                                     "before the scaling",
-    # Data sources, with Megatron's meanings (training/arguments.py, core/datasets)
-    "data_args_path": "a file holding what --data-path would take (WEIGHT PREFIX pairs or prefixes, split on any "
-                      "whitespace), for blends of hundreds of prefixes; instead of --data-path",
-    "split": "train,valid,test shares of each --data-path prefix's documents; does not apply to "
-             "--train-data-path/--valid-data-path/--test-data-path; default: 969,30,1",
-    "train_data_path": "[WEIGHT] PREFIX ... of an independent train corpus, read whole (instead of --data-path)",
-    "valid_data_path": "[WEIGHT] PREFIX ... of an independent validation corpus, read whole; none: no evaluation",
-    "test_data_path": "[WEIGHT] PREFIX ... of an independent test corpus, read whole",
-    "mmap_bin_files": "memory-map the .bin files; --no-mmap-bin-files reads each sample with file reads instead "
-                      "(for file systems where mapping is slow or refused); samples are the same",
-    # Documents in a packed sequence (training._collate); mock data's EOD id is vocab-size - 1
-    "reset_position_ids": "position ids restart at 0 after each end-of-document (EOD) token",
-    "reset_attention_mask": "a token attends only to the tokens of its own document (the EOD token ends its "
-                            "document): SDPA with a mask on the CPU, FlexAttention on CUDA, document spans of the "
-                            "blocks under context parallelism; needs --attention-dropout 0",
-    "eod_mask_loss": "no loss at positions whose input token is an EOD (the prediction across documents)",
-    # Training length, batch ramp-up and schedules, with Megatron's meanings (optim/lr_schedule.py)
-    "train_iters": "iterations to train, or give --train-samples; default: 100",
-    "train_samples": "samples to train, instead of --train-iters: as many iterations as whole global batches fit; "
-                     "the -samples schedule flags go with it",
-    "rampup_batch_size": "the global batch starts at START and grows by INCREMENT in equal steps over SAMPLES "
-                         "consumed samples up to --global-batch-size; the micro-batches per step follow (needs "
-                         "--train-samples)",
-    "lr_warmup_iters": "iterations to warm the learning rate up over, linearly from --lr-warmup-init to --lr",
-    "lr_warmup_samples": "samples to warm up over, with --train-samples",
-    "lr_warmup_fraction": "warm up over this fraction of --lr-decay-iters/--lr-decay-samples, instead of "
-                          "--lr-warmup-iters/--lr-warmup-samples",
-    "lr_warmup_init": "the learning rate warmup starts from (that of the first step)",
-    "lr_decay_style": "after warmup: constant --lr; linear or cosine down to --min-lr over --lr-decay-iters; WSD "
-                      "(warmup-stable-decay): --lr, then down to --min-lr in the last --lr-wsd-decay-iters of "
-                      "--lr-decay-iters by --lr-wsd-decay-style",
-    "lr_decay_iters": "iterations to decay the learning rate over, --min-lr after them; default: --train-iters",
-    "lr_decay_samples": "samples to decay over, with --train-samples; default: --train-samples",
-    "lr_wsd_decay_style": "the shape of WSD's decay phase over the fraction t of it done: linear 1-t, cosine "
-                          "(1+cos(pi t))/2, exponential 2*0.5^t-1, minus_sqrt 1-sqrt(t)",
-    "lr_wsd_decay_iters": "iterations of WSD's decay phase, the last of --lr-decay-iters (WSD needs it)",
-    "lr_wsd_decay_samples": "samples of WSD's decay phase, with --train-samples",
-    "weight_decay_incr_style": "weight decay over the run: constant --weight-decay, or linear or cosine from "
-                               "--start-weight-decay to --end-weight-decay",
-    "start_weight_decay": "weight decay of the first step with --weight-decay-incr-style linear or cosine",
-    "end_weight_decay": "weight decay of the last step with --weight-decay-incr-style linear or cosine",
-    # Profiling (profiling.py)
-    "profile": "write a torch profiler trace (CPU, and CUDA on a GPU; Chrome/Perfetto JSON) of the steps from "
-               "--profile-step-start to --profile-step-end on each of --profile-ranks",
-    "use_pytorch_profiler": "accepted as in Megatron command lines: --profile always uses the torch profiler here",
-    "profile_step_start": "the first profiled step, counted from 0 as the iterations done before it (N: the step "
-                          "logged as iteration N+1)",
-    "profile_step_end": "the step profiling stops before (not profiled)",
-    "profile_ranks": "the global ranks to profile; default: 0",
-    "profile_dir": "where --profile writes rank<R>.pt.trace.json; default: --tensorboard-dir when set (as in "
-                   "Megatron), else ./profile",
-    "torch_compile": "compile each transformer layer with torch.compile (inductor), eager elsewhere; losses equal "
-                     "eager's (tested on CPU, fp32). Off by default: on 2 CPU threads a training step measured "
-                     "1.02-1.04x eager (benchmarks/results/train_step.jsonl), not worth a compile of tens of "
-                     "seconds; on a GPU neither run nor measured yet",
-}
 
 
 def _field_owner() -> dict[str, str]:
@@ -385,6 +476,22 @@ def _item_type(f: dataclasses.Field):
     return int if str(f.type).startswith("list[int]") else str
 
 
+def field_docs(section: type) -> dict[str, str]:
+    """Each field's docstring (the string under it), which is its flag's --help, as torchtitan's job config has.
+    A field without one is a flag that does not say what it means: the parser refuses to be built."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(section))).body[0].body
+    docs = {}
+    for statement, following in zip(body, body[1:] + [None]):
+        if isinstance(statement, ast.AnnAssign):
+            documented = (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                          and isinstance(following.value.value, str))
+            if not documented:
+                raise TypeError(f"config field {section.__name__}.{statement.target.id} has no docstring; write "
+                                f"what its flag means under it")
+            docs[statement.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
@@ -394,14 +501,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML file of flag values (keys are flag names, _ for -); flags win")
     for section in dataclasses.fields(Config):
         group = parser.add_argument_group(section.name)
+        docs = field_docs(section.default_factory)
         for f in dataclasses.fields(section.default_factory()):
             if f.name in _DERIVED:
                 continue
             flag = "--" + f.name.replace("_", "-")
             kind = _value_type(f)
-            help_text = f"default: {f.default if f.default is not dataclasses.MISSING else '[]'}"
-            if f.name in _HELP:  # a help that names its default replaces the generic one
-                help_text = _HELP[f.name] if "; default: " in _HELP[f.name] else f"{_HELP[f.name]}; {help_text}"
+            doc = docs[f.name]
+            default = f.default if f.default is not dataclasses.MISSING else "[]"
+            help_text = doc if "default: " in doc else f"{doc}; default: {default}"
             if kind is bool and f.default:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
             elif kind is bool:
@@ -409,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
             elif kind is list:
                 names = _VALUE_NAMES.get(f.name)
                 group.add_argument(flag, nargs=len(names) if names else "+", metavar=names, type=_item_type(f),
-                                   help=_HELP.get(f.name, "[WEIGHT] PREFIX [[WEIGHT] PREFIX ...]"))
+                                   help=doc)
             else:
                 group.add_argument(flag, type=kind, choices=_CHOICES.get(f.name), help=help_text)
     return parser

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megatron_lite.config import Config, ConfigError, build_parser, make_config, parse_config
+from megatron_lite.config import Config, ConfigError, build_parser, field_docs, make_config, parse_config
 from megatron_lite.presets import MODEL_PRESETS
 
 
@@ -146,3 +146,27 @@ def test_a_tokenizer_without_its_file_or_vocabulary_is_refused_before_training(v
 def test_ckpt_step_needs_a_checkpoint_directory():
     with pytest.raises(ConfigError, match="--ckpt-step needs --load DIR"):
         make_config({"model_preset": "llama-tiny", "mock_data": True, "ckpt_step": 100})
+
+
+def test_every_flag_says_what_it_means_from_its_field_docstring():
+    """--help text is the field's docstring (and its default), for every flag of every section."""
+    helps = {action.dest: action.help for action in build_parser()._actions}
+    for section in dataclasses.fields(Config):
+        docs = field_docs(section.default_factory)
+        for field in dataclasses.fields(section.default_factory()):
+            if field.name == "data_parallel_size":
+                continue
+            assert len(docs[field.name]) > 10, field.name
+            assert helps[field.name].startswith(docs[field.name]), field.name
+    assert helps["num_layers"] == "transformer layers of the decoder; default: 2"
+
+
+def test_a_field_without_a_docstring_is_refused():
+    @dataclasses.dataclass
+    class Section:
+        documented: int = 1
+        """what it means"""
+        undocumented: int = 2
+
+    with pytest.raises(TypeError, match="Section.undocumented has no docstring"):
+        field_docs(Section)
