@@ -160,7 +160,9 @@ class ParallelConfig:
     pipeline_schedule: str = "1f1b"
     """with pipeline-model-parallel-size > 1: 1f1b (one forward one backward; interleaved when virtual stages are set)
     holds at most P - p micro-batches' activations on stage p; gpipe runs all forwards, then all backwards, holding
-    all of them; same bubble (P - 1) / m"""
+    all of them; same bubble (P - 1) / m. zb-h1 (zero bubble, Qi et al. 2023) splits each backward into the input
+    gradient, sent back at once, and the weight gradients, delayed into the idle time: about a third of the bubble,
+    at most P micro-batches held on any stage"""
     cp_comm_type: str = "p2p"
     """context-parallel attention: p2p (ring of K/V), allgather (all K/V gathered), a2a (Ulysses: all-to-all from a
     sequence split to a head split and back; heads must divide by context-parallel-size), a2a+p2p (a2a within groups
@@ -436,7 +438,7 @@ _CHOICES = {
     "position_embedding_type": ["learned_absolute", "rope"],
     "moe_token_dispatcher_type": ["alltoall", "allgather"],
     "cp_comm_type": ["p2p", "allgather", "a2a", "a2a+p2p"],
-    "pipeline_schedule": ["1f1b", "gpipe"],
+    "pipeline_schedule": ["1f1b", "gpipe", "zb-h1"],
     "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["linear", "cosine", "exponential", "minus_sqrt"],

@@ -212,6 +212,8 @@ def get_schedule(config: Config):
         return schedules.forward_backward_pipelining_with_interleaving
     if config.parallel.pipeline_schedule == "gpipe":
         return schedules.forward_backward_pipelining_gpipe
+    if config.parallel.pipeline_schedule == "zb-h1":
+        return schedules.forward_backward_pipelining_zero_bubble
     return schedules.forward_backward_pipelining_without_interleaving
 
 

@@ -127,6 +127,13 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
         problems.append("--num-virtual-stages-per-pipeline-rank needs pipeline-model-parallel-size > 1")
     if p.pipeline_schedule != "1f1b" and pp == 1:
         problems.append(f"--pipeline-schedule {p.pipeline_schedule} needs pipeline-model-parallel-size > 1")
+    if p.pipeline_schedule == "zb-h1" and p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
+        problems.append(f"--pipeline-schedule zb-h1 cannot be combined with --data-parallel-sharding-strategy "
+                        f"{p.data_parallel_sharding_strategy}: ZeRO-2/3 reduce gradients after every autograd call "
+                        f"and zb-h1 runs one per weight group; use --use-distributed-optimizer (ZeRO-1) or 1f1b")
+    if p.pipeline_schedule == "zb-h1" and m.recompute_granularity == "full":
+        problems.append("--pipeline-schedule zb-h1 cannot be combined with --recompute-granularity full: every "
+                        "weight group's pass would recompute its layer's forward; use selective or 1f1b")
     problems += _pipeline_split_problems(config) + _context_parallel_problems(config)
     return problems
 

@@ -244,6 +244,7 @@ def one_step(values: dict, world_size: int, trace: bool = False) -> dict:
     return {"eval_loss": eval_loss, "loss": float(reduce_loss(reports, pstate, device)),
             "stage": pstate.pp_rank,
             "grads": parameter_records(model, lambda p: p.main_grad), "peak_live": stats.peak_live,
+            "peak_held": stats.peak_held,
             "forwards": sum(kind == "F" for kind, *_ in stats.events), "trace": stderr.getvalue()}
 
 

@@ -1,7 +1,9 @@
-"""--pipeline-schedule gpipe computes what one process computes: one step's loss, evaluation and gradients equal
-the single-device ones over PP2 and PP4, with fewer micro-batches than stages and with more; trained with
-TP2 and sequence parallelism, losses and weights equal the single-device run's. GPipe holds every micro-batch
-of the step; every send is received; bad combinations are one-line errors."""
+"""--pipeline-schedule gpipe and zb-h1 compute what one process computes: one step's loss, evaluation and
+gradients equal the single-device ones over PP2 and PP4, with fewer micro-batches than stages and with more;
+trained with TP2 and sequence parallelism (and ZB-H1 with the distributed optimizer and overlapped gradient
+reduction over DP2), losses and weights equal the single-device run's. GPipe holds every
+micro-batch of the step, ZB-H1 at most P until their weight-gradient pass; every send is received; bad
+combinations are one-line errors."""
 
 import pytest
 
@@ -18,7 +20,7 @@ from tests.helpers import (
     train_and_collect,
 )
 
-SCHEDULES = ("gpipe",)
+SCHEDULES = ("gpipe", "zb-h1")
 CASES = [(pp, m) for pp in (2, 4) for m in (3, 8)]  # m below and above the number of stages
 _RUNS: dict = {}
 
@@ -66,11 +68,33 @@ def test_gpipe_stage_holds_every_microbatch(pp, m):
     assert [r["peak_live"] for r in runs_of("gpipe", pp, m)] == [m] * pp
 
 
-def test_gpipe_with_tp2_and_sequence_parallel_trains_as_one_process():
+@pytest.mark.parametrize(("pp", "m"), CASES)
+def test_zb_h1_stage_holds_at_most_p_microbatches_until_their_weight_pass(pp, m):
+    """B frees nothing: a micro-batch is held from its forward to its W. Stage p's B runs as 1F1B's backward
+    (at most P - p live), and its W passes wait for at most P micro-batches on every stage."""
+    results = runs_of("zb-h1", pp, m)
+    assert [r["peak_live"] for r in results] == [min(pp - stage, m) for stage in range(pp)]
+    assert [r["peak_held"] for r in results] == [min(pp, m)] * pp
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_with_tp2_and_sequence_parallel_trains_as_one_process(schedule):
     """Tensor parallelism brings its own rounding (1e-4 on weights after 10 steps, as in test_pipeline_parallel)."""
     values = {**TINY_8_LAYERS, "tensor_model_parallel_size": 2, "sequence_parallel": True,
-              "pipeline_model_parallel_size": 2, "pipeline_schedule": "gpipe"}
+              "pipeline_model_parallel_size": 2, "pipeline_schedule": schedule}
     assert_run_matches(run_on_ranks(4, train_and_collect, values, 4), reference(TINY_8_LAYERS), tensor_rel=1e-4)
+
+
+def test_zb_h1_with_distributed_optimizer_and_overlapped_reduce_over_dp2_trains_as_one_process():
+    """Losses of 10 steps and the final weights; a rank's gradient buffer is reduced only in the shard it owns,
+    so the weights, moved by every step's gradients, carry the gradient comparison."""
+    values = {**TINY_8_LAYERS, "pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1",
+              "use_distributed_optimizer": True, "overlap_grad_reduce": True}
+    results = run_on_ranks(4, train_and_collect, values, 4)
+    ref_losses, ref_weights, _ = reference(TINY_8_LAYERS)
+    for losses, _, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_tensors_match(join_shards([r[1] for r in results]), join_shards([ref_weights]), floor=1e-5)
 
 
 @pytest.mark.parametrize(("values", "world_size", "message"), [
@@ -78,6 +102,17 @@ def test_gpipe_with_tp2_and_sequence_parallel_trains_as_one_process():
     ({"pipeline_schedule": "gpipe", "pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 2},
      2, "--pipeline-schedule gpipe has no interleaved form; drop --num-layers-per-virtual-pipeline-stage / "
         "--num-virtual-stages-per-pipeline-rank or use 1f1b"),
+    ({"pipeline_schedule": "zb-h1", "pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2},
+     2, "--pipeline-schedule zb-h1 has no interleaved form; drop --num-layers-per-virtual-pipeline-stage / "
+        "--num-virtual-stages-per-pipeline-rank or use 1f1b"),
+    ({"pipeline_schedule": "zb-h1", "pipeline_model_parallel_size": 2,
+      "data_parallel_sharding_strategy": "optim_grads"}, 4,
+     "--pipeline-schedule zb-h1 cannot be combined with --data-parallel-sharding-strategy optim_grads: ZeRO-2/3 "
+     "reduce gradients after every autograd call and zb-h1 runs one per weight group; use "
+     "--use-distributed-optimizer (ZeRO-1) or 1f1b"),
+    ({"pipeline_schedule": "zb-h1", "pipeline_model_parallel_size": 2, "recompute_granularity": "full"}, 2,
+     "--pipeline-schedule zb-h1 cannot be combined with --recompute-granularity full: every weight group's pass "
+     "would recompute its layer's forward; use selective or 1f1b"),
 ])
 def test_bad_schedule_combinations_are_one_line_errors(values, world_size, message):
     with pytest.raises(ConfigError) as error:

@@ -12,16 +12,20 @@ on: with pipelining only the last stage has any.
                                                    steady state, cool-down backwards
   forward_backward_pipelining_with_interleaving    interleaved 1F1B over v model chunks per stage
   forward_backward_pipelining_gpipe                GPipe: all forwards, then all backwards
+  forward_backward_pipelining_zero_bubble          ZB-H1: 1F1B with each backward split into B (input
+                                                   gradient) and W (weight gradients), W delayed
 
 In 1F1B stage p of P runs P - p - 1 warm-up forwards, so it holds at most P - p micro-batches' activations
 (GPipe holds all m) and idles (P - 1) micro-batch times per step: the bubble is (P - 1) / m of the
-compute, in both. The interleaved schedule gives each stage v chunks of L / (P v) layers and cuts the bubble to
+compute, in both. ZB-H1 sends each gradient back after B alone and fills the waits with delayed W
+passes: the bubble drops to (P - 1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W)), a third of 1F1B's when the
+three take equal time. The interleaved schedule gives each stage v chunks of L / (P v) layers and cuts the bubble to
 (P - 1) / (v m), holding more micro-batches in flight in exchange. An activation is dropped as soon
 as its backward has run. Gradient reduction is deferred (`no_sync`) until the last micro-batch's
 backward of each chunk, so with --overlap-grad-reduce a chunk's buckets start reducing then.
 
-Pass a `ScheduleStats` as `stats=` to get this rank's timeline (forward/backward/idle) and its peak
-number of live micro-batches; with MEGATRON_LITE_PP_TRACE=1 every send/recv and a per-stage summary
+Pass a `ScheduleStats` as `stats=` to get this rank's timeline (forward/backward/weight-gradient/idle) and
+its peak numbers of live and held micro-batches; with MEGATRON_LITE_PP_TRACE=1 every send/recv and a per-stage summary
 are printed to stderr.
 """
 
@@ -33,6 +37,7 @@ import time
 import torch
 
 from megatron_lite.parallel.p2p import PipelineCommunicator, trace, trace_enabled
+from megatron_lite.pipeline import split_backward
 
 
 def _zero_tokens(model_chunk: torch.nn.Module) -> torch.Tensor:
@@ -70,16 +75,18 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_
 class ScheduleStats:
     """What one schedule call did on this rank: its forward/backward timeline and live micro-batches.
 
-    `events` holds (kind "F" or "B", chunk, micro-batch, start, end) in host wall-clock seconds; idle
-    time is the rest of the call (waiting for neighbours, and the sends and receives themselves).
-    `peak_live` is the most micro-batches whose forward had run and whose backward had not.
+    `events` holds (kind, chunk, micro-batch, start, end) in host wall-clock seconds, kind "F" (forward),
+    "B" (backward, or its input-gradient part when split) or "W" (the weight-gradient part); idle time is
+    the rest of the call (waiting for neighbours, and the sends and receives themselves). `peak_live` is
+    the most micro-batches whose forward had run and whose backward (B) had not; `peak_held` the most
+    whose graph was still kept, until W where the backward is split (else the same as `peak_live`).
     """
 
     def __init__(self):
         self.events: list[tuple[str, int, int, float, float]] = []
         self.start = self.end = time.perf_counter()
-        self.live = 0
-        self.peak_live = 0
+        self.live = self.held = 0
+        self.peak_live = self.peak_held = 0
 
     @property
     def total_time(self) -> float:
@@ -99,7 +106,7 @@ class ScheduleStats:
                             for kind, chunk, mb, start, end in self.events)
         return (f"busy {self.busy_time:.4f}s idle {self.idle_time:.4f}s "
                 f"(idle/busy {self.idle_time / max(self.busy_time, 1e-12):.3f}) peak live micro-batches "
-                f"{self.peak_live} | {timeline}")
+                f"{self.peak_live}, held {self.peak_held} | {timeline}")
 
 
 class _MicroBatchRunner:
@@ -133,7 +140,9 @@ class _MicroBatchRunner:
             output = loss_sum if self.forward_only else loss_sum * self.loss_scale
         if not self.forward_only:
             self.stats.live += 1
+            self.stats.held += 1
             self.stats.peak_live = max(self.stats.peak_live, self.stats.live)
+            self.stats.peak_held = max(self.stats.peak_held, self.stats.held)
         self.stats.events.append(("F", chunk_id, microbatch, start, time.perf_counter()))
         return output
 
@@ -149,8 +158,29 @@ class _MicroBatchRunner:
         with contextlib.nullcontext() if last_microbatch else no_sync():
             torch.autograd.backward(output_tensor, grad_tensors=output_grad)  # None: the loss itself
         self.stats.live -= 1
+        self.stats.held -= 1
         self.stats.events.append(("B", chunk_id, microbatch, start, time.perf_counter()))
         return input_tensor.grad if input_tensor is not None else None
+
+    def backward_input(self, chunk_id: int, microbatch: int, input_tensor, output_tensor, output_grad):
+        """B: the gradient for the previous stage only (None on the first); returns it and the micro-batch's W."""
+        start = time.perf_counter()
+        params = list(self.model[chunk_id].parameters())
+        input_grad, weight_pass = split_backward.backward_input(output_tensor, output_grad, input_tensor, params)
+        self.stats.live -= 1
+        self.stats.events.append(("B", chunk_id, microbatch, start, time.perf_counter()))
+        return input_grad, weight_pass
+
+    def backward_weight(self, chunk_id: int, microbatch: int, weight_pass: split_backward.WeightGradientPass,
+                        last_microbatch: bool):
+        """W: accumulate one micro-batch's weight gradients; the last micro-batch's may start their reduction."""
+        start = time.perf_counter()
+        chunk = self.model[chunk_id]
+        no_sync = getattr(chunk, "no_sync", contextlib.nullcontext)
+        with contextlib.nullcontext() if last_microbatch else no_sync():
+            weight_pass.run()
+        self.stats.held -= 1
+        self.stats.events.append(("W", chunk_id, microbatch, start, time.perf_counter()))
 
     def finish(self):
         """Close the timeline; the schedule's return value (reports, local token count)."""
@@ -260,6 +290,71 @@ def forward_backward_pipelining_gpipe(forward_step_func, data_iterator, model, n
         output_grad = comm.recv_backward((mb, 0))
         input_grad = run.backward(0, mb, input_tensor, output, output_grad, mb == num_microbatches - 1)
         comm.send_backward(input_grad, (mb, 0))
+    return run.finish()
+
+# -------------------------------------------------------------------------------------------------------
+# ZB-H1
+
+
+def forward_backward_pipelining_zero_bubble(forward_step_func, data_iterator, model, num_microbatches: int, *,
+                                            pstate, config, forward_only: bool = False, loss_scale: float = 1.0,
+                                            stats: ScheduleStats | None = None):
+    """ZB-H1 (Qi et al. 2023): 1F1B whose backwards send the input gradient after B alone, the W passes delayed.
+
+    Stage p runs 1F1B's P - p - 1 warm-up forwards; in its first p steady steps (forward, B) it leaves
+    the W passes for later, and from then on runs the oldest waiting W after each B, so at most P
+    micro-batches wait for their W on any stage (1F1B: P - p, the same P on the first stage, the one
+    that holds the most). The p W passes still waiting at the end fill the cool-down, where 1F1B's stage
+    p idles waiting for gradients. Forward-only runs are 1F1B's.
+    """
+    if forward_only:
+        return forward_backward_pipelining_without_interleaving(
+            forward_step_func, data_iterator, model, num_microbatches, pstate=pstate, config=config,
+            forward_only=True, loss_scale=loss_scale, stats=stats)
+    model = model if isinstance(model, list) else [model]
+    stats = stats if stats is not None else ScheduleStats()
+    run = _MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=False,
+                            stats=stats)
+    comm = _communicator(model, pstate, config)
+    m = num_microbatches
+    num_warmup = min(pstate.pp_size - pstate.pp_rank - 1, m)
+    num_steady = m - num_warmup
+    saved: list[tuple] = []  # (input, output) of micro-batches whose B is still to run, oldest first
+    waiting: list[tuple] = []  # (micro-batch, W pass) whose W is still to run, oldest first
+
+    def weight_pass():
+        mb, pending = waiting.pop(0)
+        run.backward_weight(0, mb, pending, mb == m - 1)
+
+    for mb in range(num_warmup):
+        saved.append(_receive_forward_send(run, comm, mb, data_iterator))
+
+    input_tensor = comm.recv_forward((num_warmup, 0)) if num_steady else None
+    for step in range(num_steady):
+        forward_mb, backward_mb = num_warmup + step, step
+        output = run.forward(0, forward_mb, input_tensor, data_iterator)
+        output_grad = comm.send_forward_recv_backward(output, (forward_mb, 0), (backward_mb, 0))
+        saved.append((input_tensor, output))
+        input_tensor, output = saved.pop(0)
+        input_grad, pending = run.backward_input(0, backward_mb, input_tensor, output, output_grad)
+        waiting.append((backward_mb, pending))
+        if step == num_steady - 1:
+            input_tensor = None
+            comm.send_backward(input_grad, (backward_mb, 0))
+        else:
+            input_tensor = comm.send_backward_recv_forward(input_grad, (backward_mb, 0), (forward_mb + 1, 0))
+        if step >= pstate.pp_rank:
+            weight_pass()
+
+    for backward_mb in range(num_steady, m):
+        input_tensor, output = saved.pop(0)
+        output_grad = comm.recv_backward((backward_mb, 0))
+        input_grad, pending = run.backward_input(0, backward_mb, input_tensor, output, output_grad)
+        waiting.append((backward_mb, pending))
+        comm.send_backward(input_grad, (backward_mb, 0))
+        weight_pass()
+    while waiting:
+        weight_pass()
     return run.finish()
 
 
