@@ -251,6 +251,13 @@ class OptimizerConfig:
     """overflows before the dynamic loss scale halves"""
     check_for_nan_in_loss_and_grad: bool = True
     """stop before applying a step whose loss or gradient norm is not finite"""
+    optimizer_cpu_offload: bool = False
+    """hold the fp32 master weights and Adam moments in host memory (pinned on CUDA) and step them there with
+    torch's CPU AdamW; gradients go device to host and updated weights back each step; composes with the
+    distributed optimizer"""
+    optimizer_offload_fraction: float = 1.0
+    """with --optimizer-cpu-offload: the share of this rank's optimizer state held and stepped on the host, in
+    [0, 1] (whole parameters or distributed-optimizer shards, the leading ones nearest this share)"""
 
 
 @dataclass

@@ -334,6 +334,10 @@ def _optimizer_problems(config: Config) -> list[str]:
     if p.overlap_param_gather and p.data_parallel_sharding_strategy == "no_shard":
         problems.append("--overlap-param-gather needs --use-distributed-optimizer (or a "
                         "--data-parallel-sharding-strategy other than no_shard)")
+    if not 0 <= o.optimizer_offload_fraction <= 1:
+        problems.append(f"--optimizer-offload-fraction ({o.optimizer_offload_fraction}) must be between 0 and 1")
+    elif o.optimizer_offload_fraction != 1 and not o.optimizer_cpu_offload:
+        problems.append(f"--optimizer-offload-fraction {o.optimizer_offload_fraction} needs --optimizer-cpu-offload")
     return problems
 
 

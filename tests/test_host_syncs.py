@@ -55,7 +55,7 @@ def test_a_training_step_of_four_micro_batches_reads_the_device_once(extra):
     train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, 0, device)
     batches = [next(iterator) for _ in range(config.num_microbatches)]  # read outside the counted step
     counts: list[str] = []
-    step_counters = [state["step"] for state in optimizer.adam.state.values()]
+    step_counters = [state["step"] for adam in optimizer.adams for state in adam.state.values()]
     assert all(counter.device.type == "cpu" for counter in step_counters)
     with counted_device_reads(counts, step_counters):
         metrics = train_step(pretrain_gpt.forward_step, iter(batches), model, optimizer, config, pstate, 1, device)

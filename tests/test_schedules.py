@@ -75,7 +75,8 @@ def test_each_step_applies_its_weight_decay_to_matrices_only(monkeypatch):
 
     def recording_apply(self, lr, grad_norm, weight_decay=None):
         updated = apply(self, lr, grad_norm, weight_decay)
-        applied.append([group["weight_decay"] for group in self.adam.param_groups])  # matrices, then the rest
+        # matrices, then the rest
+        applied.append([group["weight_decay"] for adam in self.adams for group in adam.param_groups])
         return updated
 
     monkeypatch.setattr(Optimizer, "apply", recording_apply)

@@ -10,6 +10,10 @@ What it steps is a list of `OwnedRange`s: flat element ranges of parameters with
 storage. This class steps whole parameters (every data-parallel rank does the same update);
 `DistributedOptimizer` steps each rank's shard. fp16 runs use a loss scaler (optim/loss_scaler.py): a step
 whose gradients overflow on any rank (a global norm that is not finite) is skipped on every rank.
+
+With --optimizer-cpu-offload the masters and moments of a share of the ranges live in host memory and are
+stepped there (optim/cpu_offload.py): `parts` are the masters on the device and those on the host, each
+stepped by an AdamW of its own; gradient norm, clipping and the overflow check stay on the device.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from megatron_lite.config import OptimizerConfig
 from megatron_lite.model.sharding import FlatShard
+from megatron_lite.optim.cpu_offload import DeviceMasters, HostMasters, offloaded_count
 from megatron_lite.optim.loss_scaler import build_grad_scaler
 from megatron_lite.optim.param_and_grad_buffer import OwnedRange, storage_bytes
 from megatron_lite.parallel import mappings
@@ -54,6 +59,23 @@ def _whole(param: torch.nn.Parameter) -> OwnedRange:
     return OwnedRange(param, 0, param.numel(), param.main_grad.view(-1), param.detach().view(-1))
 
 
+def build_adamw(part: DeviceMasters | HostMasters, config: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW over `part`'s masters, its state allocated now (memory and checkpoints see it from the start).
+    Weight decay is skipped for 1-D parameters (norms, biases); wd_mult, as in Megatron, is the share of the
+    scheduled weight decay a group takes."""
+    decay = [m for r, m in zip(part.ranges, part.masters) if r.param.ndim > 1]
+    no_decay = [m for r, m in zip(part.ranges, part.masters) if r.param.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+    adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
+                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                             fused=part.fused_adam or None)
+    for master in part.masters:
+        step = torch.zeros((), dtype=torch.float32, device=master.device if part.fused_adam else "cpu")
+        adam.state[master] = {"step": step, "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+    return adam
+
+
 class Optimizer:
     """AdamW on (fp32 master copies of) this rank's parameters, fed by their main gradients.
 
@@ -67,22 +89,14 @@ class Optimizer:
         named = [(None, p) if isinstance(p, torch.Tensor) else p for p in params]
         self.names = {param: name for name, param in named}
         self.ranges = [r for r in self._owned_ranges([p for _, p in named]) if r.stop > r.start]
-        self.masters = [r.model_data if r.model_data.dtype == torch.float32 else r.model_data.float()
-                        for r in self.ranges]
+        offloaded = 0
+        if config.optimizer_cpu_offload:
+            offloaded = offloaded_count([r.stop - r.start for r in self.ranges], config.optimizer_offload_fraction)
+        self.host = HostMasters(self.ranges[:offloaded]) if offloaded else None
+        self.device = DeviceMasters(self.ranges[offloaded:])
+        self.parts = [part for part in (self.host, self.device) if part is not None and part.ranges]
+        self.adams = [build_adamw(part, config) for part in self.parts]
         self.grad_scaler = build_grad_scaler(config)
-        decay = [m for r, m in zip(self.ranges, self.masters) if r.param.ndim > 1]
-        no_decay = [m for r, m in zip(self.ranges, self.masters) if r.param.ndim <= 1]
-        # wd_mult, as in Megatron: the share of the scheduled weight decay a group takes
-        groups = [{"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
-                  {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
-        fused = bool(self.masters) and self.masters[0].is_cuda
-        self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
-                                      betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                                      fused=fused or None)
-        for master in self.masters:  # allocated now, so that memory and checkpoints see them from the start
-            step = torch.zeros((), dtype=torch.float32, device=master.device if fused else "cpu")
-            self.adam.state[master] = {"step": step, "exp_avg": torch.zeros_like(master),
-                                       "exp_avg_sq": torch.zeros_like(master)}
 
     # -- what a subclass changes ----------------------------------------------------------------------
     def _owned_ranges(self, params: list[torch.nn.Parameter]) -> list[OwnedRange]:
@@ -104,8 +118,14 @@ class Optimizer:
     def _grads(self) -> list[torch.Tensor]:
         return [r.grad for r in self.ranges]
 
+    def _states(self):
+        """(owned range, its fp32 master, its Adam state) for every range this rank steps."""
+        for part, adam in zip(self.parts, self.adams):
+            for owned, master in zip(part.ranges, part.masters):
+                yield owned, master, adam.state[master]
+
     def grad_norm(self) -> torch.Tensor:
-        device = self.masters[0].device if self.masters else "cpu"
+        device = self.ranges[0].grad.device if self.ranges else "cpu"
         counted = [r for r in self.ranges if counted_once(r.param, self.pstate)]
         dense, expert = self._replication()
         return global_grad_norm([([r.grad for r in counted if not r.param.spec.expert], dense),
@@ -133,15 +153,16 @@ class Optimizer:
         clip = self.config.clip_grad / (grad_norm + 1e-6) if self.config.clip_grad > 0 else 1.0
         if clip < 1.0 and self.ranges:
             torch._foreach_mul_(self._grads(), clip)
-        for owned, master in zip(self.ranges, self.masters):
-            master.grad = owned.grad
-        for group in self.adam.param_groups:
-            group["lr"] = lr
-            if weight_decay is not None:
-                group["weight_decay"] = weight_decay * group["wd_mult"]
-        self.adam.step()
-        for master in self.masters:
-            master.grad = None
+        for part, adam in zip(self.parts, self.adams):
+            for master, grad in zip(part.masters, part.grads_for_step()):
+                master.grad = grad
+            for group in adam.param_groups:
+                group["lr"] = lr
+                if weight_decay is not None:
+                    group["weight_decay"] = weight_decay * group["wd_mult"]
+            adam.step()
+            for master in part.masters:
+                master.grad = None
         self._copy_masters_to_model()
         self._sync_params()
         return True
@@ -152,15 +173,15 @@ class Optimizer:
         return self.apply(lr, grad_norm), grad_norm
 
     def _copy_masters_to_model(self) -> None:
-        for owned, master in zip(self.ranges, self.masters):
-            if master is not owned.model_data:
-                owned.model_data.copy_(master)
+        for part in self.parts:
+            part.copy_to_model()
 
     @torch.no_grad()
-    def reload_model_params(self) -> None:
-        """Set the masters from the model's current weights (after loading weights without optimizer state)."""
-        for owned, master in zip(self.ranges, self.masters):
-            if master is not owned.model_data:
+    def reload_model_params(self, only_fp32: bool = False) -> None:
+        """Set the masters from the model's current weights (after loading weights without optimizer state);
+        `only_fp32`: only those of fp32 weights, which checkpoints hold as the weights themselves."""
+        for owned, master, _ in self._states():
+            if master is not owned.model_data and (owned.model_data.dtype == torch.float32 or not only_fp32):
                 master.copy_(owned.model_data)
 
     # -- checkpoints ----------------------------------------------------------------------------------
@@ -168,18 +189,17 @@ class Optimizer:
         """This rank's optimizer state, by layout-independent key (see distributed_optimizer.py):
         `optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<global name>` -> FlatShard (live tensors),
         `optimizer.step` -> int, `optimizer.grad_scaler` -> dict or None."""
-        state = {}
-        for owned, master in zip(self.ranges, self.masters):
+        state, steps = {}, []
+        for owned, master, adam in self._states():
             name = self.names[owned.param]
             if name is None:
                 raise ValueError("build the optimizer from (global name, parameter) pairs to checkpoint it")
-            adam = self.adam.state[master]
             tensors = {"exp_avg": adam["exp_avg"], "exp_avg_sq": adam["exp_avg_sq"]}
-            if master is not owned.model_data:  # an fp32 parameter is its own master, saved with the model
+            if owned.model_data.dtype != torch.float32:  # an fp32 weight is its own master, saved with the model
                 tensors["fp32_param"] = master
             for kind, tensor in tensors.items():
                 state[f"optimizer.state.{kind}.{name}"] = FlatShard(tensor, owned.param.spec, (owned.start, owned.stop))
-        steps = [int(s["step"]) for s in self.adam.state.values()]
+            steps.append(int(adam["step"]))
         state["optimizer.step"] = steps[0] if steps else 0
         state["optimizer.grad_scaler"] = None if self.grad_scaler is None else self.grad_scaler.state_dict()
         return state
@@ -187,20 +207,32 @@ class Optimizer:
     @torch.no_grad()
     def load_sharded_state_dict(self, state: dict) -> None:
         """Load what `sharded_state_dict` describes (its FlatShards filled in place, or equal ones), then
-        update the model's weights from the loaded masters."""
+        update the model's weights from the loaded masters (the masters of fp32 weights from the loaded
+        weights, when they are separate copies on the host)."""
         for key, live in self.sharded_state_dict().items():
             if isinstance(live, FlatShard) and state[key].data is not live.data:
                 live.data.copy_(state[key].data)
-        for adam in self.adam.state.values():
+        for _, _, adam in self._states():
             adam["step"].fill_(state["optimizer.step"])
+        self.reload_model_params(only_fp32=True)
         if self.grad_scaler is not None and state.get("optimizer.grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state["optimizer.grad_scaler"])
         self._copy_masters_to_model()
         self._sync_params()
 
     def memory_footprint(self) -> dict[str, int]:
-        """Bytes this optimizer holds beyond the model: fp32 masters of low-precision weights, Adam moments."""
-        model = {r.model_data.untyped_storage().data_ptr() for r in self.ranges}
-        masters = [m for m in self.masters if m.untyped_storage().data_ptr() not in model]
-        moments = [s[k] for s in self.adam.state.values() for k in ("exp_avg", "exp_avg_sq")]
-        return {"master": storage_bytes(masters), "moments": storage_bytes(moments)}
+        """Bytes this optimizer holds on the model's device beyond the model: fp32 masters of low-precision
+        weights, Adam moments (what --optimizer-cpu-offload keeps in host memory is not counted)."""
+        return self._footprint(self.device)
+
+    def host_memory_footprint(self) -> dict[str, int]:
+        """Bytes --optimizer-cpu-offload holds in host memory: masters, moments, the gradients' arrival
+        buffers and the low-precision weights' outgoing ones (all zero without offload)."""
+        if self.host is None:
+            return {"master": 0, "moments": 0, "grads": 0, "outgoing": 0}
+        return {**self._footprint(self.host), **self.host.buffer_bytes()}
+
+    def _footprint(self, part: DeviceMasters | HostMasters) -> dict[str, int]:
+        adam = self.adams[self.parts.index(part)].state if part in self.parts else {}
+        moments = [adam[m][k] for m in part.masters for k in ("exp_avg", "exp_avg_sq")]
+        return {"master": storage_bytes(part.footprint()), "moments": storage_bytes(moments)}
