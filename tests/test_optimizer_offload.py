@@ -55,12 +55,12 @@ def train_offloaded(values: dict, world_size: int) -> dict:
     model_storages |= {b.param_shard.untyped_storage().data_ptr() for chunk in model for b in chunk.buckets
                        if b.param_shard is not None}
     host_shares_model_storage = any(m.untyped_storage().data_ptr() in model_storages
-                                    for m in (optimizer.host.masters if optimizer.host else []))
+                                    for m in (optimizer.host_masters.masters if optimizer.host_masters else []))
     return {"losses": [h["lm_loss"] for h in history], "norms": [h["grad_norm"] for h in history],
             "skipped": sum(h["skipped_iter"] for h in history), "weights": weights, "state": state,
             "device": optimizer.memory_footprint(), "host": optimizer.host_memory_footprint(),
             "stepped": sum(r.stop - r.start for r in optimizer.ranges),
-            "offloaded": sum(r.stop - r.start for r in optimizer.host.ranges) if optimizer.host else 0,
+            "offloaded": sum(r.stop - r.start for r in optimizer.host_masters.ranges) if optimizer.host_masters else 0,
             "host_shares_model_storage": host_shares_model_storage}
 
 

@@ -92,9 +92,9 @@ class Optimizer:
         offloaded = 0
         if config.optimizer_cpu_offload:
             offloaded = offloaded_count([r.stop - r.start for r in self.ranges], config.optimizer_offload_fraction)
-        self.host = HostMasters(self.ranges[:offloaded]) if offloaded else None
-        self.device = DeviceMasters(self.ranges[offloaded:])
-        self.parts = [part for part in (self.host, self.device) if part is not None and part.ranges]
+        self.host_masters = HostMasters(self.ranges[:offloaded]) if offloaded else None
+        self.device_masters = DeviceMasters(self.ranges[offloaded:])
+        self.parts = [part for part in (self.host_masters, self.device_masters) if part is not None and part.ranges]
         self.adams = [build_adamw(part, config) for part in self.parts]
         self.grad_scaler = build_grad_scaler(config)
 
@@ -223,14 +223,14 @@ class Optimizer:
     def memory_footprint(self) -> dict[str, int]:
         """Bytes this optimizer holds on the model's device beyond the model: fp32 masters of low-precision
         weights, Adam moments (what --optimizer-cpu-offload keeps in host memory is not counted)."""
-        return self._footprint(self.device)
+        return self._footprint(self.device_masters)
 
     def host_memory_footprint(self) -> dict[str, int]:
         """Bytes --optimizer-cpu-offload holds in host memory: masters, moments, the gradients' arrival
         buffers and the low-precision weights' outgoing ones (all zero without offload)."""
-        if self.host is None:
+        if self.host_masters is None:
             return {"master": 0, "moments": 0, "grads": 0, "outgoing": 0}
-        return {**self._footprint(self.host), **self.host.buffer_bytes()}
+        return {**self._footprint(self.host_masters), **self.host_masters.buffer_bytes()}
 
     def _footprint(self, part: DeviceMasters | HostMasters) -> dict[str, int]:
         adam = self.adams[self.parts.index(part)].state if part in self.parts else {}
