@@ -112,6 +112,30 @@ class ModelConfig:
     gathers every token everywhere"""
     moe_router_pre_softmax: bool = False
     """softmax over all experts before the top-k (Mixtral normalizes over the chosen k after it)"""
+    moe_router_score_function: str = "softmax"
+    """softmax (over the top-k logits, or over all experts with --moe-router-pre-softmax) or sigmoid (each expert
+    scored on its own, the k chosen scores divided by their sum, as DeepSeek-V3)"""
+    moe_router_topk_scaling_factor: float | None = None
+    """the k routing probabilities multiplied by this (DeepSeek-V3: 2.5); unset: 1"""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """the balancing loss weighted by --moe-aux-loss-coeff: aux_loss over each micro-batch, seq_aux_loss over each
+    sequence (DeepSeek-V2/V3), or none"""
+    moe_router_enable_expert_bias: bool = False
+    """aux-loss-free load balancing: a per-expert bias added to the sigmoid scores for choosing experts only, moved
+    each iteration by --moe-router-bias-update-rate towards the experts the global batch used least; identical on
+    every rank and saved in checkpoints"""
+    moe_router_bias_update_rate: float = 1e-3
+    """with --moe-router-enable-expert-bias: how far each bias moves per iteration"""
+    moe_router_num_groups: int | None = None
+    """group-limited routing (DeepSeek-V3): the experts form this many groups of consecutive experts, groups are
+    ranked by the sum of their top k / group-topk scores, and each token chooses among the experts of its
+    --moe-router-group-topk best groups"""
+    moe_router_group_topk: int | None = None
+    """with --moe-router-num-groups: how many groups each token may use"""
+    moe_shared_expert_intermediate_size: int | None = None
+    """inner width of a shared expert that every token runs beside its routed experts; unset: none"""
+    moe_shared_expert_gate: bool = False
+    """the shared expert's output scaled by sigmoid(x w_gate), as Qwen2-MoE"""
     # Execution choices that change no numbers
     recompute_granularity: str | None = None
     """activation recomputation: full recomputes whole layers in backward (see --recompute-method), selective only the
@@ -444,6 +468,8 @@ _CHOICES = {
     "normalization": ["LayerNorm", "RMSNorm"],
     "position_embedding_type": ["learned_absolute", "rope"],
     "moe_token_dispatcher_type": ["alltoall", "allgather"],
+    "moe_router_score_function": ["softmax", "sigmoid"],
+    "moe_router_load_balancing_type": ["aux_loss", "seq_aux_loss", "none"],
     "cp_comm_type": ["p2p", "allgather", "a2a", "a2a+p2p"],
     "pipeline_schedule": ["1f1b", "gpipe", "zb-h1"],
     "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],

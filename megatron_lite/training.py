@@ -22,7 +22,7 @@ from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.errors import TrainingDivergedError
 from megatron_lite.logging import TrainingLogger
-from megatron_lite.model.moe import moe_metrics, set_moe_loss_scale
+from megatron_lite.model.moe import moe_metrics, set_moe_loss_scale, update_expert_biases
 from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
@@ -259,6 +259,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
             raise _diverged(iteration, "lm loss", lm_loss)
         lr = learning_rate(config, consumed_samples)
         update_successful = optimizer.apply(lr, grad_norm, weight_decay(config, consumed_samples))
+        update_expert_biases(model, pstate, config)
         if check and not update_successful and optimizer.grad_scaler is None:
             raise _diverged(iteration, "grad norm", grad_norm)
     return {"lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr, "global_batch_size": global_batch_size,

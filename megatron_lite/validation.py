@@ -37,6 +37,7 @@ _INT_MINIMUMS = {
     "num_layers": 1, "hidden_size": 1, "ffn_hidden_size": 1, "num_attention_heads": 1, "num_query_groups": 1,
     "seq_length": 1, "max_position_embeddings": 1, "vocab_size": 2, "make_vocab_size_divisible_by": 1,
     "num_experts": 1, "moe_router_topk": 1, "moe_ffn_hidden_size": 1, "moe_layer_freq": 1,
+    "moe_router_num_groups": 1, "moe_router_group_topk": 1, "moe_shared_expert_intermediate_size": 1,
     "recompute_num_layers": 1, "tensor_model_parallel_size": 1, "context_parallel_size": 1,
     "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1, "num_layers_per_virtual_pipeline_stage": 1,
     "num_virtual_stages_per_pipeline_rank": 1,
@@ -49,13 +50,41 @@ _INT_MINIMUMS = {
     "lr_wsd_decay_iters": 1, "lr_wsd_decay_samples": 1, "profile_step_start": 0, "profile_step_end": 1,
     "kv_channels": 1, "rope_scaling_original_max_position_embeddings": 1,
 }
-_POSITIVE_FLOATS = {"rotary_base", "norm_epsilon", "moe_expert_capacity_factor", "loss_scale", "initial_loss_scale",
+_POSITIVE_FLOATS = {"rotary_base", "norm_epsilon", "moe_expert_capacity_factor", "moe_router_topk_scaling_factor",
+                    "moe_router_bias_update_rate", "loss_scale", "initial_loss_scale",
                     "min_loss_scale", "exit_duration_in_mins", "distributed_timeout_minutes", "peak_tflops",
                     "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor"}
 _NON_NEGATIVE_FLOATS = {"lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "init_method_std",
                         "moe_aux_loss_coeff", "moe_z_loss_coeff", "lr_warmup_init", "start_weight_decay",
                         "end_weight_decay"}
 _FRACTIONS = {"hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction"}  # in [0, 1)
+
+
+def _router_problems(m) -> list[str]:
+    """The MoE router's options that do not go together."""
+    problems = []
+    sigmoid = m.moe_router_score_function == "sigmoid"
+    if sigmoid and m.moe_router_pre_softmax:
+        problems.append("--moe-router-pre-softmax applies to --moe-router-score-function softmax only; drop it "
+                        "with sigmoid")
+    if m.moe_router_enable_expert_bias and not sigmoid:
+        problems.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
+        problems.append("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+    groups, group_topk, topk = m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk
+    if (groups is None) != (group_topk is None):
+        problems.append("--moe-router-num-groups and --moe-router-group-topk go together; give both or neither")
+    elif groups is not None:
+        if m.num_experts % groups:
+            problems.append(f"moe-router-num-groups ({groups}) must divide num-experts ({m.num_experts})")
+        elif group_topk > groups:
+            problems.append(f"moe-router-group-topk ({group_topk}) must not exceed moe-router-num-groups ({groups})")
+        elif topk % group_topk:
+            problems.append(f"moe-router-group-topk ({group_topk}) must divide moe-router-topk ({topk})")
+        elif topk // group_topk > m.num_experts // groups:
+            problems.append(f"moe-router-topk / moe-router-group-topk ({topk // group_topk}) must not exceed the "
+                            f"experts per group ({m.num_experts // groups})")
+    return problems
 
 
 def _value_problems(config: Config) -> list[str]:
@@ -120,6 +149,10 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
         problems.append(f"num-experts ({m.num_experts}) must be divisible by expert-model-parallel-size ({ep})")
     if m.num_experts and m.moe_ffn_hidden_size % tp:
         problems.append(f"moe-ffn-hidden-size ({m.moe_ffn_hidden_size}) must be divisible by "
+                        f"tensor-model-parallel-size ({tp})")
+    shared = m.moe_shared_expert_intermediate_size
+    if m.num_experts and shared and shared % tp:
+        problems.append(f"moe-shared-expert-intermediate-size ({shared}) must be divisible by "
                         f"tensor-model-parallel-size ({tp})")
     if p.num_layers_per_virtual_pipeline_stage is not None and pp == 1:
         problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline-model-parallel-size > 1")
@@ -226,6 +259,10 @@ def _model_problems(config: Config) -> list[str]:
                             f"({m.num_experts})")
         if not m.disable_bias_linear:
             problems.append("MoE experts have no biases: pass --disable-bias-linear with --num-experts")
+        problems += _router_problems(m)
+    elif m.moe_shared_expert_intermediate_size or m.moe_router_enable_expert_bias or m.moe_router_num_groups:
+        problems.append("--moe-shared-expert-intermediate-size, --moe-router-enable-expert-bias and "
+                        "--moe-router-num-groups need --num-experts")
     if m.recompute_num_layers is not None and m.recompute_granularity != "full":
         problems.append("--recompute-num-layers needs --recompute-granularity full")
     if m.recompute_method is not None and m.recompute_granularity != "full":

@@ -45,6 +45,9 @@ class ContractWithoutSpecs(PlainLinear):
     def rng_trackers(self):
         return []
 
+    def named_global_buffers(self):
+        return []
+
 
 def test_gpt_model_is_a_model_chunk():
     chunk = gpt_chunk()

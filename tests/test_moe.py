@@ -1,6 +1,7 @@
-"""The MoE layer on one process against a plain-PyTorch reference written here: routing (Mixtral and
-pre-softmax), experts (SwiGLU and GELU), the aux loss and z-loss values and their gradients, capacity drops;
-global expert names; one-line configuration errors."""
+"""The MoE layer on one process against a plain-PyTorch reference written here: routing (Mixtral, pre-softmax,
+sigmoid with a scaling factor or an expert bias, group-limited), experts (SwiGLU and GELU), shared experts
+(with Qwen2-MoE's gate), the aux loss (per micro-batch or per sequence, or none) and z-loss values and their
+gradients, capacity drops; the expert-bias update; global expert names; one-line configuration errors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import torch.nn.functional as F
 
 from megatron_lite.config import ConfigError, make_config
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.moe import MoELayer, moe_metrics, moe_mlp_factory, set_moe_loss_scale
+from megatron_lite.model.moe import (
+    MoELayer,
+    moe_metrics,
+    moe_mlp_factory,
+    set_moe_loss_scale,
+    update_expert_biases,
+)
 from megatron_lite.model.moe_router import capacity_keep_mask, expert_capacity
 from megatron_lite.model.sharding import initialize_parameters
 from megatron_lite.parallel.state import Layout, ParallelState
@@ -40,44 +47,118 @@ def _naive_keep(probs, indices, num_experts, capacity):
     return keep
 
 
-def _reference(layer: MoELayer, x: torch.Tensor, capacity_factor=None):
-    """Plain PyTorch: (output [T, h], aux loss, z-loss, keep mask) from the layer's weights."""
+def _route(router, logits):
+    """(probabilities [T, k], experts [T, k]) as the router's options say, one token at a time."""
+    c, bias = router.choice, router.expert_bias
+    probs, indices = [], []
+    for row in logits:
+        if c.score_function == "sigmoid":
+            scores = torch.sigmoid(row)
+            selection = scores.detach() + (bias if bias is not None else 0)
+        else:
+            scores = torch.softmax(row, -1) if c.pre_softmax else row
+            selection = scores.detach()
+        candidates = list(range(row.numel()))
+        if c.num_groups:
+            size = row.numel() // c.num_groups
+            groups = [list(range(g * size, (g + 1) * size)) for g in range(c.num_groups)]
+            strength = [sum(sorted((float(selection[e]) for e in group), reverse=True)[:c.topk // c.group_topk])
+                        for group in groups]
+            best = sorted(range(c.num_groups), key=lambda g: -strength[g])[:c.group_topk]
+            candidates = [e for g in best for e in groups[g]]
+        chosen = sorted(candidates, key=lambda e: -float(selection[e]))[:c.topk]
+        if c.score_function == "sigmoid":
+            p = scores[chosen] / scores[chosen].sum()
+        elif c.pre_softmax:
+            p = scores[chosen]
+        else:
+            p = torch.softmax(row[chosen], -1)
+        probs.append(p * (c.scaling_factor or 1.0))
+        indices.append(torch.tensor(chosen))
+    return torch.stack(probs), torch.stack(indices)
+
+
+def _switch_loss(counts, scores, topk, coeff):
+    """coeff * E * sum_i f_i P_i over the tokens of `scores` [n, E] with their expert counts [E]."""
+    n, num_experts = scores.shape
+    return coeff * num_experts * ((counts / (n * topk)) * scores.mean(0)).sum()
+
+
+def _reference(layer: MoELayer, x: torch.Tensor, capacity_factor=None, batch=2):
+    """Plain PyTorch: (output [T, h], aux loss, z-loss, keep mask) from the layer's weights; row t of x
+    is position t // batch of sequence t % batch."""
     m = layer.router
     logits = x @ m.weight.t()
     num_tokens, num_experts, topk = logits.shape[0], logits.shape[1], m.topk
-    if m.pre_softmax:
-        probs, indices = torch.softmax(logits, -1).topk(topk, -1)
-    else:
-        top, indices = logits.topk(topk, -1)
-        probs = torch.softmax(top, -1)
+    probs, indices = _route(m, logits)
     keep = torch.ones_like(indices, dtype=torch.bool)
     if capacity_factor is not None:
         keep = _naive_keep(probs, indices, num_experts, expert_capacity(num_tokens, num_experts, topk, capacity_factor))
+    swiglu = layer.experts[0].config.swiglu
+
+    def mlp(module, row):
+        hidden = row @ module.linear_fc1.weight.t()
+        if swiglu:
+            gate, up = hidden.chunk(2)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(hidden)
+        return hidden @ module.linear_fc2.weight.t()
+
     out = torch.zeros_like(x)
     for t in range(num_tokens):
         for j in range(topk):
             if keep[t, j]:
-                expert = layer.experts[int(indices[t, j])]
-                hidden = x[t] @ expert.linear_fc1.weight.t()
-                if layer.experts[0].config.swiglu:
-                    gate, up = hidden.chunk(2)
-                    hidden = F.silu(gate) * up
-                else:
-                    hidden = F.gelu(hidden)
-                out[t] = out[t] + probs[t, j] * (hidden @ expert.linear_fc2.weight.t())
-    fraction = torch.bincount(indices.reshape(-1), minlength=num_experts) / (num_tokens * topk)
-    aux = m.aux_loss_coeff * num_experts * (fraction * torch.softmax(logits, -1).mean(0)).sum()
+                out[t] = out[t] + probs[t, j] * mlp(layer.experts[int(indices[t, j])], x[t])
+        shared = layer.shared_experts
+        if shared is not None:
+            gate = torch.sigmoid(x[t] @ shared.gate_weight[0]) if shared.gate_weight is not None else 1.0
+            out[t] = out[t] + gate * mlp(shared, x[t])
+    if m.choice.score_function == "sigmoid":
+        scores = torch.sigmoid(logits) / torch.sigmoid(logits).sum(-1, keepdim=True)
+    else:
+        scores = torch.softmax(logits, -1)
+    counts = torch.stack([(indices == e).sum() for e in range(num_experts)]).float()
+    if m.load_balancing_type == "aux_loss":
+        aux = _switch_loss(counts, scores, topk, m.aux_loss_coeff)
+    elif m.load_balancing_type == "seq_aux_loss":
+        per_sequence = []
+        for sequence in range(batch):
+            rows = torch.arange(sequence, num_tokens, batch)
+            seq_counts = torch.stack([(indices[rows] == e).sum() for e in range(num_experts)]).float()
+            per_sequence.append(_switch_loss(seq_counts, scores[rows], topk, m.aux_loss_coeff))
+        aux = torch.stack(per_sequence).mean()
+    else:
+        aux = torch.zeros(())
     z = m.z_loss_coeff * torch.logsumexp(logits, -1).square().mean()
     return out, aux, z, keep
 
 
+SIGMOID = {"moe_router_score_function": "sigmoid"}
+ROUTER_AND_SHARED_EXPERT_VARIANTS = [
+    {**SIGMOID, "moe_router_topk_scaling_factor": 2.5},
+    {**SIGMOID, "moe_router_enable_expert_bias": True},
+    {**SIGMOID, "moe_router_load_balancing_type": "seq_aux_loss"},
+    {"moe_router_load_balancing_type": "seq_aux_loss", "moe_router_pre_softmax": True},
+    {"moe_router_load_balancing_type": "none"},
+    {"num_experts": 8, "moe_router_topk": 4, "moe_router_num_groups": 4, "moe_router_group_topk": 2},
+    {**SIGMOID, "num_experts": 8, "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+     "moe_router_enable_expert_bias": True},
+    {"moe_shared_expert_intermediate_size": 40},
+    {"moe_shared_expert_intermediate_size": 24, "moe_shared_expert_gate": True, "swiglu": False},
+]
+
+
 @pytest.mark.parametrize("variant", [{}, {"swiglu": False, "moe_router_pre_softmax": True},
                                      {"moe_expert_capacity_factor": 0.5},
-                                     {"moe_token_dispatcher_type": "allgather", "moe_expert_capacity_factor": 0.75}])
+                                     {"moe_token_dispatcher_type": "allgather", "moe_expert_capacity_factor": 0.75},
+                                     *ROUTER_AND_SHARED_EXPERT_VARIANTS])
 def test_moe_layer_and_its_losses_match_a_direct_computation(variant):
     """Output, logged aux/z-loss and the gradients of mean(loss) + aux + z equal the reference's."""
     torch.manual_seed(0)
     layer = _layer(variant)
+    if layer.router.expert_bias is not None:  # a bias large enough to change choices
+        layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, layer.num_experts))
     s, b, h = 8, 2, BASE["hidden_size"]
     x = torch.randn(s, b, h, requires_grad=True)
     upstream = torch.randn(s, b, h)  # d(per-token loss sum)/d(output), standing in for the layers above
@@ -88,9 +169,9 @@ def test_moe_layer_and_its_losses_match_a_direct_computation(variant):
     layer.zero_grad()
 
     tokens = x.reshape(-1, h)
-    out, aux, z, keep = _reference(layer, tokens, variant.get("moe_expert_capacity_factor"))
+    out, aux, z, keep = _reference(layer, tokens, variant.get("moe_expert_capacity_factor"), batch=b)
     ((out * upstream.reshape(-1, h)).sum() / (s * b) + aux + z).backward()  # mean loss + aux + z
-    expected = [x.grad] + [p.grad for p in layer.parameters()]
+    expected = [x.grad] + [torch.zeros_like(p) if p.grad is None else p.grad for p in layer.parameters()]  # unused
     for (name, _), got, want in zip([("x", None), *layer.named_parameters()], grads, expected, strict=True):
         assert_close_relative(got / (s * b), want, rel=1e-5, msg=name)
 
@@ -100,10 +181,33 @@ def test_moe_layer_and_its_losses_match_a_direct_computation(variant):
     assert metrics["moe_aux_loss_layer_0"] == pytest.approx(aux.item(), rel=1e-5)
     assert metrics["moe_z_loss_layer_0"] == pytest.approx(z.item(), rel=1e-5)
     assert metrics["moe_dropped_tokens_layer_0"] == int((~keep).sum())
-    assert sum(metrics["moe_tokens_per_expert_layer_0"]) == s * b * BASE["moe_router_topk"]
+    topk = variant.get("moe_router_topk", BASE["moe_router_topk"])
+    assert sum(metrics["moe_tokens_per_expert_layer_0"]) == s * b * topk
     if "moe_expert_capacity_factor" in variant:
-        assert 0 < metrics["moe_dropped_tokens_layer_0"] < s * b * BASE["moe_router_topk"]
+        assert 0 < metrics["moe_dropped_tokens_layer_0"] < s * b * topk
     assert layer.statistics is None  # read and reset; the no-grad forward above recorded nothing
+
+
+def test_expert_bias_moves_towards_balance_and_only_changes_selection():
+    """After an iteration each bias moves by the update rate against its expert's load (sign(mean - load));
+    the bias decides the experts but the probabilities stay the unbiased sigmoid scores."""
+    torch.manual_seed(0)
+    values = {**SIGMOID, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.01}
+    layer = _layer(values)
+    x = torch.randn(8, 2, BASE["hidden_size"])
+    logits = x.reshape(-1, BASE["hidden_size"]) @ layer.router.weight.detach().t()
+    layer(x).sum().backward()
+    update_expert_biases([layer], ParallelState.single(), make_config({**BASE, "num_layers": 1, **values}))
+    _, indices = _route(layer.router, logits)  # routing before the update: zero bias
+    load = torch.stack([(indices == e).sum() for e in range(layer.num_experts)]).float()
+    assert torch.equal(layer.router.expert_bias, 0.01 * torch.sign(load.mean() - load))
+    assert layer.load_since_bias_update is None
+    favoured = torch.tensor([0.0, 0.0, 0.0, 5.0])  # expert 3 wins every token's first place
+    layer.router.expert_bias.copy_(favoured)
+    probs, indices, _ = layer.router(x)
+    assert (indices == 3).any(-1).all()
+    scores = torch.sigmoid(logits).gather(1, indices)
+    assert_close_relative(probs, scores / scores.sum(-1, keepdim=True), rel=1e-6)
 
 
 def test_moe_loss_gradients_follow_the_fp16_loss_scale():
@@ -160,6 +264,18 @@ def test_local_experts_carry_global_names_and_single_device_weights():
     ({"moe_expert_capacity_factor": 0.0}, 1, "moe-expert-capacity-factor (0.0) must be positive"),
     ({"moe_ffn_hidden_size": 50, "tensor_model_parallel_size": 4}, 4,
      "moe-ffn-hidden-size (50) must be divisible by tensor-model-parallel-size (4)"),
+    ({**SIGMOID, "moe_router_pre_softmax": True}, 1,
+     "--moe-router-pre-softmax applies to --moe-router-score-function softmax only"),
+    ({"moe_router_enable_expert_bias": True}, 1, "--moe-router-enable-expert-bias needs --moe-router-score-function "
+                                                 "sigmoid"),
+    ({"moe_router_num_groups": 3, "moe_router_group_topk": 1}, 1,
+     "moe-router-num-groups (3) must divide num-experts (4)"),
+    ({"moe_router_num_groups": 2, "moe_router_group_topk": 2, "moe_router_topk": 3}, 1,
+     "moe-router-group-topk (2) must divide moe-router-topk (3)"),
+    ({"moe_router_num_groups": 2}, 1, "--moe-router-num-groups and --moe-router-group-topk go together"),
+    ({"moe_shared_expert_intermediate_size": 30, "tensor_model_parallel_size": 4}, 4,
+     "moe-shared-expert-intermediate-size (30) must be divisible by tensor-model-parallel-size (4)"),
+    ({"moe_shared_expert_gate": True}, 1, "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
 ])
 def test_bad_moe_configuration_is_one_line_error(values, world_size, message):
     with pytest.raises(ConfigError) as error:

@@ -77,7 +77,8 @@ def to_boxes(state: dict, pstate: ParallelState) -> tuple[list[ShardedTensor], d
 
 
 def model_sharded_state_dict(model: list, pstate: ParallelState) -> list[ShardedTensor]:
-    """This rank's boxes of every parameter (under ZeRO-3, of the parameter shards it keeps)."""
+    """This rank's boxes of every parameter (under ZeRO-3, of the parameter shards it keeps) and checkpointed
+    buffer."""
     state = {}
     for chunk in model:
         if hasattr(chunk, "sharded_parameters"):
@@ -85,6 +86,7 @@ def model_sharded_state_dict(model: list, pstate: ParallelState) -> list[Sharded
         else:
             state.update({name: FlatShard(p.detach().view(-1), p.spec, (0, p.numel()))
                           for name, p in chunk.named_global_parameters()})
+        state.update({name: FlatShard(b.view(-1), b.spec, (0, b.numel())) for name, b in chunk.named_global_buffers()})
     return to_boxes(state, pstate)[0]
 
 

@@ -97,7 +97,8 @@ def read_model_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> None:
-    """Copy this rank's shard of each global tensor into `model`, padding vocabulary tables to the model's rows."""
+    """Copy this rank's shard of each global tensor into `model` (parameters and checkpointed buffers), padding
+    vocabulary tables to the model's rows."""
     padded = dict(tensors)
     for name, param in model.named_global_parameters():
         rows = param.spec.global_shape[0]
@@ -105,6 +106,7 @@ def load_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], tp
             table = padded[name]
             padded[name] = torch.cat([table, table.new_zeros(rows - table.shape[0], *table.shape[1:])])
     load_global_tensors(model.named_global_parameters(), padded, tp_rank, tp_size)
+    load_global_tensors(model.named_global_buffers(), padded, tp_rank, tp_size)
 
 
 def model_flags(m: ModelConfig) -> dict:

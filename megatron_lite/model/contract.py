@@ -43,6 +43,10 @@ class ModelChunk(Protocol):
         """The random streams the chunk draws dropout from besides torch's default generator; checkpoints
         save and restore their states."""
 
+    def named_global_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(layout-independent name, buffer) for the state besides parameters that checkpoints carry (each
+        with a ShardSpec; the MoE routers' expert biases): not trained by the optimizer, saved and loaded."""
+
 
 _METHODS = [name for name, value in vars(ModelChunk).items() if callable(value) and not name.startswith("_")]
 

@@ -116,6 +116,13 @@ class GPTModel(torch.nn.Module):
         for name, param in self.named_parameters():
             yield self.global_name(name), param
 
+    def named_global_buffers(self):
+        """State other than parameters that checkpoints carry: buffers with a ShardSpec (the MoE routers'
+        expert biases), by global name."""
+        for name, buffer in self.named_buffers():
+            if hasattr(buffer, "spec"):
+                yield self.global_name(name), buffer
+
     def shared_embedding_parameters(self) -> list[torch.nn.Parameter]:
         """Parameters kept equal between the first and last pipeline stage (tied embeddings)."""
         if not self.share_embeddings or self.pre_process == self.post_process:

@@ -19,8 +19,15 @@ slice of the experts, and the combined per-token output, a partial sum over TP, 
 one all-reduce (reduce-scatter with SP). That is the dense MLP's communication, on T h values rather
 than on the T k h expert outputs that Megatron reduce-scatters before its reverse all-to-all.
 
-Experts have no biases (as Megatron's grouped experts); the local experts run one after the other (a
-grouped GEMM would batch them on GPUs; not used here).
+Experts have no biases; the local experts run as one grouped GEMM (moe_experts.py). A shared expert
+(--moe-shared-expert-intermediate-size) runs on the same tokens inside the region, so its partial sum over
+TP joins the routed experts' before the one all-reduce.
+
+Aux-loss-free balancing (--moe-router-enable-expert-bias, DeepSeek-V3): after each iteration,
+`update_expert_biases` sums every MoE layer's tokens per expert over all ranks and moves each expert's
+bias by --moe-router-bias-update-rate towards balance: up for an expert that took fewer tokens than the
+mean, down for one that took more. Every rank computes it from the same summed counts, so the biases stay
+identical everywhere; they are buffers with global names, saved and loaded with the weights.
 
 Statistics (aux loss, z-loss, tokens per expert, dropped token copies) accumulate in each layer during
 backward and are read, summed over ranks and reset by `moe_metrics` once per log interval.
@@ -29,41 +36,13 @@ backward and are read, summed over ranks and reset by `moe_metrics` once per log
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megatron_lite.config import Config, ModelConfig
-from megatron_lite.model.mlp import activation
+from megatron_lite.model.moe_experts import GroupedExperts, SharedExpertMLP
 from megatron_lite.model.moe_router import MoEAuxLossAutoScaler, RouterLosses, TopKRouter, capacity_keep_mask
 from megatron_lite.model.moe_token_dispatcher import TOKEN_DISPATCHERS
-from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
-
-
-class ExpertLinear(torch.nn.Module):
-    """One weight of an expert, this TP rank's slice; no communication (the MoE layer does it once)."""
-
-    def __init__(self, spec: ShardSpec, tp_size: int):
-        super().__init__()
-        self.weight = new_parameter(spec, tp_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
-class ExpertMLP(torch.nn.Module):
-    """h -> ffn -> h with GELU or SwiGLU: [n, h] -> [n, h], a partial sum over TP."""
-
-    def __init__(self, config: ModelConfig, tp_size: int):
-        super().__init__()
-        self.config = config
-        h, ffn, chunks = config.hidden_size, config.moe_ffn_hidden_size, 2 if config.swiglu else 1
-        self.linear_fc1 = ExpertLinear(ShardSpec((chunks * ffn, h), tp_dim=0, tp_chunks=chunks, expert=True), tp_size)
-        self.linear_fc2 = ExpertLinear(ShardSpec((h, ffn), tp_dim=1, init="scaled_normal", expert=True), tp_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(activation(self.config, self.linear_fc1(x)))
-
 
 # Columns of MoELayer.statistics.
 _MICROBATCHES, _AUX_LOSS, _Z_LOSS, _DROPPED, _TOKENS_PER_EXPERT = 0, 1, 2, 3, 4
@@ -81,13 +60,16 @@ class MoELayer(torch.nn.Module):
         self.tp_group, self.cp_group = pstate.group("tp"), pstate.group("cp")
         self.sequence_parallel = sequence_parallel
         self.router = TopKRouter(config, pstate, sequence_parallel=sequence_parallel)
-        self.experts = torch.nn.ModuleList(ExpertMLP(config, pstate.tp_size)
-                                           for _ in range(config.num_experts // pstate.ep_size))
+        self.experts = GroupedExperts(config, pstate.tp_size, config.num_experts // pstate.ep_size)
+        self.shared_experts = (SharedExpertMLP(config, pstate.tp_size)
+                               if config.moe_shared_expert_intermediate_size else None)
         self.token_dispatcher = TOKEN_DISPATCHERS[token_dispatcher](config.num_experts, pstate)
         self.loss_scale = 1.0  # the factor the schedule multiplies the loss by (fp16 loss scaling)
         # Since the last moe_metrics, in float64 on the model's device (None until the first backward):
         # micro-batches, this rank's shares of aux and z-loss, dropped token copies, tokens per expert.
         self.statistics: torch.Tensor | None = None
+        # Tokens per expert routed by this rank since the last update_expert_biases (with an expert bias).
+        self.load_since_bias_update: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, h] -> [s, b, h] (each [s/tp, b, h] with sequence parallelism)."""
@@ -99,8 +81,9 @@ class MoELayer(torch.nn.Module):
                                            losses.num_tokens * self.loss_scale,
                                            lambda: self._record_statistics(record))
         expert_inputs, tokens_per_expert, handle = self.token_dispatcher.dispatch(tokens, probs, indices, keep)
-        outputs = [expert(chunk) for expert, chunk in zip(self.experts, expert_inputs.split(tokens_per_expert))]
-        output = self.token_dispatcher.combine(torch.cat(outputs), handle)  # [T, h] partial sum over TP
+        output = self.token_dispatcher.combine(self.experts(expert_inputs, tokens_per_expert), handle)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(tokens)  # [T, h] partial sums over TP
         return self._leave_tensor_parallel_region(output.view(-1, *x.shape[1:]))
 
     def _capacity_keep_mask(self, probs, indices):
@@ -120,6 +103,10 @@ class MoELayer(torch.nn.Module):
 
     def _record_statistics(self, record: torch.Tensor) -> None:
         self.statistics = record if self.statistics is None else self.statistics + record
+        if self.router.expert_bias is not None:
+            load = record[_TOKENS_PER_EXPERT:]
+            self.load_since_bias_update = load if self.load_since_bias_update is None else \
+                self.load_since_bias_update + load
 
     def _enter_tensor_parallel_region(self, x, probs, indices):
         """This rank's tokens and routing -> those of every TP rank ([s/tp b, .] -> [s b, .] with SP). The
@@ -162,6 +149,29 @@ def set_moe_loss_scale(model_chunks, loss_scale: float) -> None:
     """Scale the MoE losses' gradients as the schedule scales the language-model loss's (fp16)."""
     for layer in moe_layers(model_chunks):
         layer.loss_scale = loss_scale
+
+
+@torch.no_grad()
+def update_expert_biases(model_chunks, pstate: ParallelState, config: Config) -> None:
+    """After an iteration, with --moe-router-enable-expert-bias: each MoE layer's bias b_i += rate *
+    sign(mean load - load_i), from the tokens per expert of the iteration summed over all ranks. A
+    collective over the world: every rank calls it after every iteration."""
+    m = config.model
+    if not (m.num_experts and m.moe_router_enable_expert_bias):
+        return
+    layers = moe_layers(model_chunks)
+    device = next(model_chunks[0].parameters()).device
+    table = torch.zeros(m.num_layers, m.num_experts, dtype=torch.float64, device=device)
+    for layer in layers:
+        if layer.load_since_bias_update is not None:
+            table[layer.layer_number] = layer.load_since_bias_update
+        layer.load_since_bias_update = None
+    # Each of a layer's counts is summed over the same copies (TP ranks routing the same tokens), which
+    # scales the layer's loads alike and leaves the signs as one device's.
+    mappings.all_reduce(table, pstate.group("world"))
+    for layer in layers:
+        load = table[layer.layer_number]
+        layer.router.expert_bias += (m.moe_router_bias_update_rate * torch.sign(load.mean() - load)).float()
 
 
 def moe_layer_numbers(config: ModelConfig) -> list[int]:

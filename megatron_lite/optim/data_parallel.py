@@ -240,6 +240,9 @@ class DistributedDataParallel(torch.nn.Module):
     def rng_trackers(self) -> list:
         return self.module.rng_trackers()
 
+    def named_global_buffers(self):
+        return self.module.named_global_buffers()
+
     @contextlib.contextmanager
     def no_sync(self):
         """Micro-batches before the last accumulate without starting any reduction (no_shard, optim)."""
