@@ -1,8 +1,9 @@
 """tools/convert_checkpoint.py for llama (GQA untied, tied with one KV head, and with Llama 3.1's RoPE scaling),
-qwen2 (QKV biases), qwen3 (q/k head norms, head_dim other than hidden / heads), gpt2 and mixtral built by
-transformers from configs: our logits equal transformers' in one process and at TP2 x PP2 through the training
-load path; exported checkpoints load in transformers with our logits; HF -> ours -> HF is tensor-identical;
-bad input fails with one line."""
+qwen2 (QKV biases), qwen3 (q/k head norms, head_dim other than hidden / heads), gpt2, mixtral, qwen3_moe
+(renormalized top-k) and qwen2_moe (pre-softmax top-k, gated shared expert) built by transformers from configs:
+our logits equal transformers' in one process and at TP2 x PP2 through the training load path, and the MoE
+families' logits and greedy ids at EP2 x TP2 too; exported checkpoints load in transformers with our logits;
+HF -> ours -> HF is tensor-identical; bad input fails with one line."""
 
 import json
 import os
@@ -32,7 +33,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 VOCAB, SEQ = 300, 32
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = ["llama", "llama_tied", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral"]
+FAMILIES = ["llama", "llama_tied", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe"]
+MOE_FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe"]
 # Scaled wavelengths from those below 64 / 4 (kept) through the band to 64 (interpolated) and above (divided)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -63,6 +65,13 @@ def hf_config(family: str):
         "mixtral": lambda: transformers.MixtralConfig(intermediate_size=64, num_attention_heads=4,
                                                       num_key_value_heads=2, num_local_experts=4,
                                                       num_experts_per_tok=2, **llama),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(  # softmax, top-k renormalized
+            intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False, **llama),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(  # softmax over all experts, a gated shared expert
+            intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+            tie_word_embeddings=False, **llama),
     }[family]()
 
 
@@ -225,6 +234,48 @@ def test_converted_checkpoints_load_at_tp2_pp2_with_transformers_logits_and_loss
         assert first_loss == pytest.approx(reference.item(), rel=1e-5), family
 
 
+def _ep2_tp2(cases: dict, ids: torch.Tensor, new_tokens: int) -> dict:
+    """For each converted MoE checkpoint loaded at EP2 x TP2 (Checkpointer, as --load does): the logits of
+    `ids` and `new_tokens` greedy ids (argmax of the last position, the sequence recomputed each step)."""
+    results = {}
+    for family, (mlite_dir, flags) in cases.items():
+        config = make_config({**flags, "mock_data": True, "seq_length": SEQ, "tensor_model_parallel_size": 2,
+                              "expert_model_parallel_size": 2, "load": mlite_dir, "finetune": True,
+                              "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 1, "device": "cpu"}, 4)
+        pstate, device = initialize(config)
+        model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+        Checkpointer(config, pstate, device).load_checkpoint(model, None)
+        for chunk in model:
+            chunk.eval()
+        tokens = ids
+        for _ in range(new_tokens):
+            tokens = torch.cat([tokens, _forward_logits(config, model, pstate, tokens)[:, -1:].argmax(-1)], dim=1)
+        results[family] = (_forward_logits(config, model, pstate, ids), tokens[:, ids.shape[1]:])
+    return results
+
+
+def test_converted_moe_checkpoints_at_ep2_tp2_give_transformers_logits_and_greedy_ids(converted):
+    """Experts split over two expert-parallel ranks and each expert over two TP ranks; every rank runs the same
+    prompts through its share of the experts."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, VOCAB, (2, SEQ - 8), generator=torch.Generator().manual_seed(5))
+    cases = {family: (converted[family][1], yaml.safe_load(read_text(os.path.join(converted[family][1], "model.yaml"))))
+             for family in MOE_FAMILIES}
+    per_rank = run_on_ranks(4, _ep2_tp2, cases, ids, 8)
+    for family in MOE_FAMILIES:
+        hf_model = AutoModelForCausalLM.from_pretrained(converted[family][0]).eval()
+        tokens = ids
+        with torch.no_grad():
+            reference = hf_model(ids).logits
+            for _ in range(8):
+                tokens = torch.cat([tokens, hf_model(tokens).logits[:, -1:].argmax(-1)], dim=1)
+        for rank, ranks_results in enumerate(per_rank):
+            logits, greedy = ranks_results[family]
+            assert_close_relative(logits, reference, rel=1e-4, msg=f"{family} rank {rank}")
+            assert torch.equal(greedy, tokens[:, ids.shape[1]:]), f"{family} rank {rank}"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_to_mlite_to_hf_is_tensor_identical(converted, family, tmp_path):
     hf_dir, mlite_dir = converted[family]
@@ -263,6 +314,9 @@ OURS = {
     "llama": {"model_preset": "llama-tiny", "untie_embeddings_and_output_weights": False, "ffn_hidden_size": 128},
     "gpt2": {"model_preset": "gpt2-124m", "ffn_hidden_size": 256, "hidden_dropout": 0.0, "attention_dropout": 0.0},
     "mixtral": {"model_preset": "mixtral-tiny", "ffn_hidden_size": 64, "num_experts": 4},
+    "qwen2_moe": {"model_preset": "mixtral-tiny", "ffn_hidden_size": 64, "num_experts": 4, "add_qkv_bias": True,
+                  "moe_router_pre_softmax": True, "moe_shared_expert_intermediate_size": 96,
+                  "moe_shared_expert_gate": True},
 }
 
 

@@ -6,40 +6,13 @@ GPU catches up. On the CPU they cost nothing, so they are counted here instead o
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import torch
 
 import pretrain_gpt
 from megatron_lite.config import make_config
+from megatron_lite.host_reads import counted_device_reads
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
-
-READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu")
-
-
-@contextlib.contextmanager
-def counted_device_reads(counts: list[str], host_tensors: list[torch.Tensor]):
-    """Record every call of a torch.Tensor method that copies a value to the host, while inside the block,
-    except on `host_tensors`, which live on the host on every device (Adam's step counters)."""
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-    exempt = {id(t) for t in host_tensors}
-
-    def counting(name):
-        def read(self, *args, **kwargs):
-            if id(self) not in exempt:
-                counts.append(name)
-            return originals[name](self, *args, **kwargs)
-        return read
-
-    try:
-        for name in READS:
-            setattr(torch.Tensor, name, counting(name))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 @pytest.mark.parametrize("extra", [{}, {"bf16": True}, {"fp16": True, "initial_loss_scale": 256.0},

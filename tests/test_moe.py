@@ -9,7 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import pretrain_gpt
 from megatron_lite.config import ConfigError, make_config
+from megatron_lite.host_reads import counted_device_reads
+from megatron_lite.model import moe_experts
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.moe import (
     MoELayer,
@@ -20,7 +23,9 @@ from megatron_lite.model.moe import (
 )
 from megatron_lite.model.moe_router import capacity_keep_mask, expert_capacity
 from megatron_lite.model.sharding import initialize_parameters
+from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.parallel.state import Layout, ParallelState
+from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
 from tests.tolerances import assert_close_relative
 
 BASE = {"model_preset": "mixtral-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
@@ -222,6 +227,50 @@ def test_moe_loss_gradients_follow_the_fp16_loss_scale():
     ((layer(x) * upstream).sum() * 1024.0).backward()
     for got, want in zip([p.grad for p in layer.parameters()], unscaled, strict=True):
         assert_close_relative(got / 1024.0, want, rel=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["grouped_mm", "padded_bmm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_equals_one_matmul_per_expert(kernel, dtype):
+    """Rows sorted by expert (one expert with none) times each expert's weight, forward and backward."""
+    if kernel == "grouped_mm" and not moe_experts.grouped_mm_runs("cpu", dtype):
+        pytest.skip("this torch has no torch._grouped_mm on the CPU")
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 9, 2])
+    x = torch.randn(16, 32, dtype=dtype, requires_grad=True)
+    weight = torch.randn(4, 24, 32, dtype=dtype, requires_grad=True)
+    run = moe_experts.grouped_linear if kernel == "grouped_mm" else moe_experts.padded_grouped_linear
+    if kernel == "grouped_mm":
+        assert moe_experts.grouped_mm_applies(x, weight)
+    out = run(x, weight, counts)
+    out.sum().backward()  # a broadcast gradient
+    got = [out.detach(), x.grad.clone(), weight.grad.clone()]
+    x.grad = weight.grad = None
+    expected = torch.cat([rows @ w.t() for rows, w in zip(x.split(counts.tolist()), weight)])
+    expected.sum().backward()
+    rel = 1e-5 if dtype == torch.float32 else 1e-2
+    for a, b in zip(got, [expected.detach(), x.grad, weight.grad], strict=True):
+        assert_close_relative(a.float(), b.float(), rel=rel)
+
+
+@pytest.mark.parametrize("variant", [{}, {**SIGMOID, "moe_router_enable_expert_bias": True,
+                                          "moe_router_load_balancing_type": "seq_aux_loss",
+                                          "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True}])
+def test_dropless_moe_training_step_reads_nothing_from_the_device_beyond_the_step_s_one_read(variant):
+    """Routing, permutation, grouped expert GEMMs, combine, balancing losses and the expert-bias update keep
+    their counts on the device: a step reads the loss and gradient norm once, as a dense model's does."""
+    if not moe_experts.grouped_mm_runs("cpu", torch.float32):
+        pytest.skip("this torch has no torch._grouped_mm on the CPU: the padded fallback reads each group size")
+    config = make_config({**BASE, **variant, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 2})
+    pstate, device = initialize(config)
+    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+    optimizer = build_optimizer(config, model, pstate)
+    iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
+    batches = [next(iterator) for _ in range(config.num_microbatches)]
+    counts: list[str] = []
+    with counted_device_reads(counts, [state["step"] for state in optimizer.adam.state.values()]):
+        train_step(pretrain_gpt.forward_step, iter(batches), model, optimizer, config, pstate, 0, device)
+    assert counts == ["tolist"], counts
 
 
 def test_capacity_keeps_the_most_probable_tokens_and_breaks_ties_by_position():

@@ -2,15 +2,18 @@
 
 EP 1, 2 and 4 (with expert-data-parallel replicas), EP2 x TP2 with and without sequence parallelism,
 EP2 x PP2, EP4 over DP2 x CP2, the allgather dispatcher, and EP2 with the distributed optimizer and full
-recomputation: the losses of 10 steps and the logged aux loss, z-loss and tokens per expert equal the
-single-device run's, and so do the first step's gradients of every router and expert weight (later steps'
-weights differ by Adam-amplified rounding; sharded gradients are not compared). With a capacity factor
-the same token copies are dropped on every layout. One 4-rank world runs every layout.
+recomputation; and a model with a gated shared expert, sigmoid routing with an expert bias, group-limited
+routing and the per-sequence aux loss on EP2 x TP2 x SP, EP4 x CP2 and EP2 x PP2 x ZeRO-2: the losses of
+10 steps and the logged aux loss, z-loss and tokens per expert equal the single-device run's, and so do
+the first step's gradients of every router, expert and shared-expert weight (later steps' weights differ
+by Adam-amplified rounding; sharded gradients are not compared). With a capacity factor the same token
+copies are dropped on every layout. One 4-rank world runs every layout.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import pretrain_gpt
 from megatron_lite.config import make_config
@@ -42,7 +45,19 @@ LAYOUTS = {  # name: flags on top of MOE, on 4 ranks
     "ep2_zero2_recompute": {"expert_model_parallel_size": 2, "data_parallel_sharding_strategy": "optim_grads",
                             "recompute_granularity": "full"},
 }
-SHARDED_GRADS = {"ep2_zero2_recompute"}  # gradients live as data-parallel shards: losses only
+# Shared expert with Qwen2-MoE's gate, sigmoid routing scaled by 2, aux-loss-free expert bias, group-limited
+# routing and the per-sequence aux loss: its own single-device reference (4 steps), on three layouts.
+MODERN = {**MOE, "moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor": 2.0,
+          "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.002,
+          "moe_router_load_balancing_type": "seq_aux_loss", "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+          "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True, "train_iters": 4}
+MODERN_LAYOUTS = {
+    "modern_ep2_tp2_sp": LAYOUTS["ep2_tp2_sp"],
+    "modern_ep4_cp2": LAYOUTS["ep4_cp2"],
+    "modern_ep2_pp2_zero2": {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                             "data_parallel_sharding_strategy": "optim_grads"},
+}
+SHARDED_GRADS = {"ep2_zero2_recompute", "modern_ep2_pp2_zero2"}  # gradients live as data-parallel shards: losses only
 CAPACITY_LAYOUTS = ("ep4", "ep2_tp2_sp", "ep2_pp2", "ep2_allgather", "ep4_cp2")
 
 _BUILT: list = []
@@ -55,14 +70,16 @@ def _capturing_provider(config, pstate, plan, device):
 
 
 def _train(values: dict, world_size: int) -> dict:
-    """Losses and MoE metrics per step; the last step's gradients of the router and expert weights as
-    {global name: (tp rank, spec, tensor)}, this rank's pieces."""
+    """Losses and MoE metrics per step; the last step's gradients of the router, expert and shared-expert
+    weights as {global name: (tp rank, spec, tensor)}, this rank's pieces; the routers' expert biases."""
     _BUILT.clear()
     history = pretrain(make_config(values, world_size), _capturing_provider, pretrain_gpt.forward_step)
     grads = {name: (chunk.pstate.tp_rank, param.spec, param.main_grad.clone())
              for chunk in _BUILT for name, param in chunk.named_global_parameters()
-             if (".mlp.router." in name or ".mlp.experts." in name) and param.main_grad is not None}
-    return {"history": history, "grads": grads}
+             if ".mlp." in name and name.split(".mlp.")[1].startswith(("router.", "experts.", "shared_experts."))
+             and param.main_grad is not None}
+    biases = {name: buffer.clone() for chunk in _BUILT for name, buffer in chunk.named_global_buffers()}
+    return {"history": history, "grads": grads, "biases": biases}
 
 
 def _train_layouts(runs: list[tuple[str, dict]], world_size: int) -> dict:
@@ -105,7 +122,9 @@ def _assert_runs_match(name: str, rank_results: list[dict], reference: dict, com
 
 @pytest.fixture(scope="module")
 def references():
-    return {"dropless": _train(MOE, 1), "one_step": _train(ONE_STEP, 1), "capacity": _train(CAPACITY, 1)}
+    return {"dropless": _train(MOE, 1), "one_step": _train(ONE_STEP, 1), "capacity": _train(CAPACITY, 1),
+            "modern": _train(MODERN, 1), "modern_one_step": _train({**MODERN, "train_iters": 1}, 1),
+            "modern_three_steps": _train({**MODERN, "train_iters": 3}, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +133,9 @@ def parallel_runs():
     runs += [(f"one_step_{name}", {**ONE_STEP, **flags}) for name, flags in LAYOUTS.items()
              if name not in SHARDED_GRADS]
     runs += [(f"capacity_{name}", {**CAPACITY, **LAYOUTS[name]}) for name in CAPACITY_LAYOUTS]
+    runs += [(name, {**MODERN, **flags}) for name, flags in MODERN_LAYOUTS.items()]
+    runs += [(f"one_step_{name}", {**MODERN, **flags, "train_iters": 1}) for name, flags in MODERN_LAYOUTS.items()
+             if name not in SHARDED_GRADS]
     per_rank = run_on_ranks(4, _train_layouts, runs, 4, timeout=900)
     return {name: [ranks[name] for ranks in per_rank] for name, _ in runs}
 
@@ -123,6 +145,25 @@ def test_moe_layout_matches_single_device(layout, references, parallel_runs):
     _assert_runs_match(layout, parallel_runs[layout], references["dropless"])
     if layout not in SHARDED_GRADS:
         _assert_runs_match(layout, parallel_runs[f"one_step_{layout}"], references["one_step"], compare_grads=True)
+
+
+@pytest.mark.parametrize("layout", list(MODERN_LAYOUTS))
+def test_shared_expert_sigmoid_bias_and_group_routing_match_single_device(layout, references, parallel_runs):
+    """Losses, logged balance and first-step gradients equal one process; after 4 iterations every rank
+    holds the same expert biases, bit for bit, and they are the single device's."""
+    _assert_runs_match(layout, parallel_runs[layout], references["modern"])
+    if layout not in SHARDED_GRADS:
+        _assert_runs_match(layout, parallel_runs[f"one_step_{layout}"], references["modern_one_step"],
+                           compare_grads=True)
+    expected = references["modern"]["biases"]
+    assert any(bias.abs().sum() > 0 for bias in expected.values())
+    held = {}
+    for result in parallel_runs[layout]:
+        for name, bias in result["biases"].items():
+            assert torch.equal(held.setdefault(name, bias), bias), f"{layout}: ranks hold different {name}"
+    assert held.keys() == expected.keys()
+    for name, bias in held.items():
+        assert torch.equal(bias, expected[name]), f"{layout}: {name} differs from one process"
 
 
 def test_reference_run_trains_and_logs_load_balance(references):
@@ -143,6 +184,26 @@ def test_capacity_drops_the_same_tokens_on_every_layout(layout, references, para
     reference = references["capacity"]
     assert all(record["moe_dropped_tokens_layer_0"] > 0 for record in reference["history"])
     _assert_runs_match(f"capacity_{layout}", parallel_runs[f"capacity_{layout}"], reference)
+
+
+def _train_losses_and_biases(values: dict, world_size: int) -> tuple[list[float], dict]:
+    result = _train(values, world_size)
+    return [record["lm_loss"] for record in result["history"]], result["biases"]
+
+
+def test_expert_bias_checkpoint_saved_with_ep4_resumes_on_one_process(tmp_path, references):
+    """Expert biases are saved under global names: 3 steps on EP4, the 4th on one process; the saved (non-zero)
+    and the final biases are the single-device run's, bit for bit, and so the losses follow it."""
+    saved, saved_biases = run_on_ranks(4, _train_losses_and_biases, {**MODERN, "expert_model_parallel_size": 4,
+                                                                     "exit_interval": 3, "save": str(tmp_path)}, 4)[0]
+    assert all(bias.abs().sum() > 0 for bias in saved_biases.values())
+    for name, bias in references["modern_three_steps"]["biases"].items():
+        assert torch.equal(saved_biases[name], bias), name
+    resumed, final_biases = _train_losses_and_biases({**MODERN, "load": str(tmp_path)}, 1)
+    for name, bias in references["modern"]["biases"].items():
+        assert torch.equal(final_biases[name], bias), name
+    expected = [record["lm_loss"] for record in references["modern"]["history"]]
+    assert saved + resumed == pytest.approx(expected, rel=1e-5)
 
 
 def _train_losses(values: dict, world_size: int) -> list[float]:

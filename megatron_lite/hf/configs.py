@@ -1,8 +1,12 @@
-"""Hugging Face config.json <-> megatron_lite model flags, for the llama, qwen2, qwen3, gpt2 and mixtral families.
+"""Hugging Face config.json <-> megatron_lite model flags, for the llama, qwen2, qwen3, gpt2, mixtral, qwen3_moe and
+qwen2_moe families.
 
 A config.json becomes the values of pretrain_gpt.py's model flags (ModelConfig field names); a ModelConfig
 becomes a config.json that `transformers.AutoModelForCausalLM.from_pretrained` reads. Qwen2 is a Llama with a
-QKV bias (--add-qkv-bias), Qwen3 one with per-head q/k norms (--qk-layernorm); Llama 3.1's RoPE scaling (rope_type
+QKV bias (--add-qkv-bias), Qwen3 one with per-head q/k norms (--qk-layernorm); their MoE versions route with a
+softmax over all experts, renormalized over the top k (as Mixtral) with norm_topk_prob, as they are without
+(--moe-router-pre-softmax), and Qwen2-MoE adds a gated shared expert (--moe-shared-expert-intermediate-size,
+--moe-shared-expert-gate); Llama 3.1's RoPE scaling (rope_type
 "llama3") is --use-rope-scaling. Variants our model cannot reproduce exactly (other RoPE scalings, attention or
 MLP biases in Llama, sliding windows, GPT-2's per-layer attention scaling) are refused with one line rather than
 converted into a different network.
@@ -15,7 +19,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe")
 
 
 class ConversionError(UserError, ValueError):
@@ -102,6 +106,26 @@ def _mixtral_values(hf: dict) -> dict:
             "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
 
 
+def _qwen_moe_values(hf: dict) -> dict:
+    """Qwen3-MoE (Qwen3 attention) and Qwen2-MoE (Qwen2 attention and a gated shared expert), with experts in
+    every layer."""
+    _refuse(hf.get("decoder_sparse_step", 1) != 1 or bool(hf.get("mlp_only_layers")),
+            "a qwen MoE with dense layers (decoder_sparse_step, mlp_only_layers)")
+    _refuse(bool(hf.get("use_sliding_window")), f"sliding-window attention ({hf.get('sliding_window')})")
+    values = {**_llama_values({**hf, "attention_bias": False}), "qk_layernorm": hf["model_type"] == "qwen3_moe"}
+    _refuse(hf["model_type"] == "qwen3_moe" and bool(hf.get("attention_bias")), "a qwen3_moe with attention biases")
+    num_experts = hf.get("num_experts") or _get(hf, "num_local_experts")
+    values.update(num_experts=num_experts, moe_router_topk=_get(hf, "num_experts_per_tok"),
+                  moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
+                  moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+                  moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+    if hf["model_type"] == "qwen2_moe":
+        values.update(add_qkv_bias=bool(hf.get("qkv_bias", True)),
+                      moe_shared_expert_intermediate_size=_get(hf, "shared_expert_intermediate_size"),
+                      moe_shared_expert_gate=True)
+    return values
+
+
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}  # -> openai_gelu
 
 
@@ -124,7 +148,7 @@ def _gpt2_values(hf: dict) -> dict:
 
 
 _FROM_HF = {"llama": _llama_values, "qwen2": _qwen_values, "qwen3": _qwen_values, "gpt2": _gpt2_values,
-            "mixtral": _mixtral_values}
+            "mixtral": _mixtral_values, "qwen3_moe": _qwen_moe_values, "qwen2_moe": _qwen_moe_values}
 
 
 def model_values_from_hf(hf: dict) -> dict:
@@ -144,9 +168,17 @@ def family_of_model(m: ModelConfig) -> str:
                  and not m.disable_bias_linear and m.num_query_groups == m.num_attention_heads)
     plain_attention = not m.qk_layernorm and not m.add_qkv_bias and not m.use_rope_scaling
     dense_llama = llama_like and not m.num_experts
-    if m.num_experts and llama_like and m.moe_layer_freq == 1 and not m.moe_router_pre_softmax and plain_attention \
+    moe_llama = (m.num_experts and llama_like and m.moe_layer_freq == 1 and m.moe_router_score_function == "softmax"
+                 and not m.moe_router_enable_expert_bias and m.moe_router_num_groups is None
+                 and m.moe_router_topk_scaling_factor is None and not m.use_rope_scaling)
+    shared = m.moe_shared_expert_intermediate_size
+    if moe_llama and not shared and not m.moe_router_pre_softmax and plain_attention \
             and m.kv_channels in (None, m.hidden_size // m.num_attention_heads):
         return "mixtral"
+    if moe_llama and not shared and m.qk_layernorm and not m.add_qkv_bias:
+        return "qwen3_moe"
+    if moe_llama and shared and m.moe_shared_expert_gate and not m.qk_layernorm:
+        return "qwen2_moe"
     if dense_llama and m.add_qkv_bias and not m.qk_layernorm:
         return "qwen2"
     if dense_llama and m.qk_layernorm and not m.add_qkv_bias:
@@ -162,7 +194,9 @@ def family_of_model(m: ModelConfig) -> str:
         f"num-experts={m.num_experts}, moe-layer-freq={m.moe_layer_freq}, moe-router-pre-softmax="
         f"{m.moe_router_pre_softmax}); supported: llama (RMSNorm, SwiGLU, RoPE, no biases, optional rope scaling), "
         f"qwen2 (llama with --add-qkv-bias), qwen3 (llama with --qk-layernorm), gpt2 (LayerNorm, GELU, learned "
-        f"positions, biases, no GQA), mixtral (llama with experts in every layer, softmax after top-k)")
+        f"positions, biases, no GQA), mixtral (llama with experts in every layer, softmax after top-k), qwen3_moe "
+        f"(qwen3 with softmax-routed experts in every layer), qwen2_moe (qwen3_moe's routing with qwen2 attention "
+        f"and a gated shared expert)")
 
 
 def _llama_config(m: ModelConfig) -> dict:
@@ -205,6 +239,18 @@ def _mixtral_config(m: ModelConfig) -> dict:
             "sliding_window": None}
 
 
+def _qwen_moe_config(m: ModelConfig, model_type: str, architecture: str) -> dict:
+    config = {**_qwen_config(m, "qwen2" if model_type == "qwen2_moe" else "qwen3", architecture),
+              "model_type": model_type, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "moe_intermediate_size": m.moe_ffn_hidden_size, "num_experts": m.num_experts,
+              "num_experts_per_tok": m.moe_router_topk, "norm_topk_prob": not m.moe_router_pre_softmax,
+              "router_aux_loss_coef": m.moe_aux_loss_coeff}
+    if model_type == "qwen3_moe":
+        return {**config, "num_local_experts": m.num_experts}  # transformers 5's name; older ones read num_experts
+    return {**config, "qkv_bias": m.add_qkv_bias,
+            "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size}
+
+
 def _gpt2_config(m: ModelConfig) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
             "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
@@ -218,7 +264,9 @@ def _gpt2_config(m: ModelConfig) -> dict:
 
 _TO_HF = {"llama": _llama_config, "qwen2": lambda m: _qwen_config(m, "qwen2", "Qwen2ForCausalLM"),
           "qwen3": lambda m: _qwen_config(m, "qwen3", "Qwen3ForCausalLM"), "gpt2": _gpt2_config,
-          "mixtral": _mixtral_config}
+          "mixtral": _mixtral_config,
+          "qwen3_moe": lambda m: _qwen_moe_config(m, "qwen3_moe", "Qwen3MoeForCausalLM"),
+          "qwen2_moe": lambda m: _qwen_moe_config(m, "qwen2_moe", "Qwen2MoeForCausalLM")}
 
 
 def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:

@@ -161,6 +161,20 @@ def mixtral_table(m: ModelConfig) -> NameTable:
                      lambda m: m.moe_ffn_hidden_size, names=("w1", "w3", "w2"))])
 
 
+def qwen_moe_table(m: ModelConfig) -> NameTable:
+    """Qwen3-MoE and Qwen2-MoE: a router (gate) and experts gate/up/down_proj in every layer, and Qwen2-MoE's
+    shared expert with its sigmoid gate."""
+    ours, theirs = "decoder.layers.{layer}.mlp.", "model.layers.{layer}.mlp."
+    mlp = [Rule(ours + "router.weight", (theirs + "gate.weight",), lambda m: ((m.num_experts, _h(m)),)),
+           *_swiglu_mlp(ours + "experts.{expert}.", theirs + "experts.{expert}.", lambda m: m.moe_ffn_hidden_size)]
+    if m.moe_shared_expert_intermediate_size:
+        mlp += [*_swiglu_mlp(ours + "shared_experts.", theirs + "shared_expert.",
+                             lambda m: m.moe_shared_expert_intermediate_size),
+                Rule(ours + "shared_experts.gate_weight", (theirs + "shared_expert_gate.weight",),
+                     lambda m: ((1, _h(m)),))]
+    return _llama_table(m, mlp)
+
+
 def gpt2_table(m: ModelConfig) -> NameTable:
     """GPT-2: LayerNorms and linears with biases, learned positions, a packed [q; k; v] c_attn."""
     ours, theirs = "decoder.layers.{layer}.", "transformer.h.{layer}."
@@ -192,4 +206,5 @@ def gpt2_table(m: ModelConfig) -> NameTable:
 
 
 NAME_TABLES: dict[str, Callable[[ModelConfig], NameTable]] = {
-    "llama": llama_table, "qwen2": llama_table, "qwen3": llama_table, "gpt2": gpt2_table, "mixtral": mixtral_table}
+    "llama": llama_table, "qwen2": llama_table, "qwen3": llama_table, "gpt2": gpt2_table, "mixtral": mixtral_table,
+    "qwen3_moe": qwen_moe_table, "qwen2_moe": qwen_moe_table}

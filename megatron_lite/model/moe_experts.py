@@ -3,11 +3,12 @@
 Each expert keeps its own weights under its global name (`mlp.experts.<e>.linear_fc1.weight`), so
 initialization and checkpoints do not depend on the layout. A forward stacks the local experts' weights
 and multiplies every expert's tokens at once:
-  torch._grouped_mm   on CUDA in bf16 (Hopper and newer), with the group offsets on the device: no host
-                      read and no padding
+  torch._grouped_mm   where the installed torch has it for the device and dtype (CUDA: bf16 on Hopper and
+                      newer; recent CPU builds: fp32 and bf16) and rows are multiples of 16 bytes; the
+                      group offsets stay on the device: no host read and no padding
   padded bmm          elsewhere: each expert's rows are placed in a [E_local, longest, in] batch by index
-                      ops and multiplied with one torch.bmm; the longest group is read back once (free on
-                      the CPU, the one read of the expert compute where the fused kernel cannot run)
+                      ops and multiplied with one torch.bmm; the longest group is read back once (the one
+                      read of the expert compute, only where the grouped kernel cannot run)
 
 Tensor parallelism splits expert weights as the dense MLP's (fc1 by output rows, [gate; up] halves
 separately for SwiGLU; fc2 by input columns); the outputs are partial sums over TP that the MoE layer
@@ -17,6 +18,8 @@ MLP that every token runs; Qwen2-MoE scales its output by sigmoid(x w_gate) (--m
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -25,20 +28,48 @@ from megatron_lite.model.mlp import activation
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 
 
-def fused_grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs these operands: CUDA, bf16, compute capability 9.0 or newer, and rows
-    of a multiple of 16 bytes."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0)
-            and x.shape[-1] % 8 == 0 and weight.shape[1] % 8 == 0)
+@functools.cache
+def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch has torch._grouped_mm for `dtype` on `device_type` (tried once on a tiny input:
+    CPU kernels came later than CUDA's, and CUDA's needs bf16 on compute capability 9.0 or newer)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.zeros(2, 8, device=device_type, dtype=dtype)
+        torch._grouped_mm(x, torch.zeros(1, 8, 8, device=device_type, dtype=dtype),
+                          offs=torch.tensor([2], dtype=torch.int32, device=device_type))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._grouped_mm runs these operands: it exists for their device and dtype, and their rows are a
+    multiple of 16 bytes."""
+    aligned = 16 // x.element_size()
+    return (x.dtype == weight.dtype and x.shape[-1] % aligned == 0 and weight.shape[1] % aligned == 0
+            and grouped_mm_runs(x.device.type, x.dtype))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (torch._grouped_mm's backward rejects the
+    broadcast gradients that, e.g., a sum produces)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """[N, in] rows sorted by group, weights [G, out, in], rows per group [G] (on the device) -> [N, out]:
     rows of group g times weight[g]^T."""
-    if fused_grouped_mm_applies(x, weight):
+    if grouped_mm_applies(x, weight):
         offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets))
     return padded_grouped_linear(x, weight, counts)
 
 
