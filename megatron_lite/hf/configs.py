@@ -245,6 +245,7 @@ def _qwen_moe_config(m: ModelConfig, model_type: str, architecture: str) -> dict
               "moe_intermediate_size": m.moe_ffn_hidden_size, "num_experts": m.num_experts,
               "num_experts_per_tok": m.moe_router_topk, "norm_topk_prob": not m.moe_router_pre_softmax,
               "router_aux_loss_coef": m.moe_aux_loss_coeff}
+    del config["sliding_window"]  # unused with use_sliding_window off; the versions' defaults differ
     if model_type == "qwen3_moe":
         return {**config, "num_local_experts": m.num_experts}  # transformers 5's name; older ones read num_experts
     return {**config, "qkv_bias": m.add_qkv_bias,
