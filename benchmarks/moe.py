@@ -1,11 +1,16 @@
-"""MoE throughput and expert-parallel traffic: mixtral-tiny vs a dense model with the same active parameters.
+"""MoE throughput, host reads and expert-parallel traffic: MoE models vs dense models with the same active parameters.
 
 The dense peer has one SwiGLU MLP of ffn = k x moe-ffn-hidden-size per layer, so a token meets as many
 weights in it as in its k experts (the router's E x h weights aside): the ratio of tokens/s is the price of
-routing, permutation and the per-expert loop. Then, on 2 gloo ranks (DP 2): the MoE model with EP 2 (alltoall
-and allgather dispatchers) and EP 1 (every expert on every rank), and the dense peer; for each, tokens/s
-and the bytes each rank sends to the other per training step through the expert-parallel collectives,
-counted at parallel/mappings.py, next to the expected alltoall volume
+routing, permutation and the grouped expert GEMMs. On one process: mixtral-tiny (8 experts, top-2) and a
+fine-grained MoE of 16 experts, top-4, each a quarter of mixtral-tiny's expert width (DeepSeek / Qwen3-MoE
+style), each against its dense peer; and the host reads of values of device tensors (`.item()`, `.tolist()`,
+...; each a synchronisation on a GPU, counted on the CPU by megatron_lite/host_reads.py) in one training step,
+against the dense peer's, which reads once (the loss and gradient norm). Then, on 2 gloo ranks (DP 2):
+mixtral-tiny with EP 2 (alltoall and allgather dispatchers) and EP 1 (every expert on every rank), and the
+dense peer; for each, tokens/s, host reads per step, and the bytes each rank sends to the other per training
+step through the expert-parallel collectives, counted at parallel/mappings.py, next to the expected alltoall
+volume
 2 (dispatch + combine) x 2 (forward + backward) x L_moe x T k h x 4 bytes x (ep - 1) / ep.
 Full training steps (forward, backward, gradient reduction, AdamW) through training.pretrain, timed from
 the per-iteration metrics after 2 warm-up steps. The configurations run in turn, --rounds times, and each
@@ -31,13 +36,18 @@ import torch.multiprocessing as mp
 
 import pretrain_gpt
 from benchmarks.results_file import record_result
+from megatron_lite import training
 from megatron_lite.config import make_config
+from megatron_lite.host_reads import counted_device_reads
+from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.parallel import mappings
-from megatron_lite.training import pretrain
 
 WARMUP = 2
 RUN = {"model_preset": "mixtral-tiny", "mock_data": True, "micro_batch_size": 4, "eval_interval": 10_000,
        "log_interval": 10_000, "lr": 1e-3}
+
+# 16 experts of a quarter of mixtral-tiny's width (256 / 4), 4 per token: the active width of mixtral-tiny's 8 x top-2
+FINE_GRAINED = {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 64}
 
 
 def dense_peer(values: dict) -> dict:
@@ -92,12 +102,27 @@ def measure(values: dict, world_size: int, steps: int) -> tuple[list[float], flo
         path = os.path.join(tmp, "metrics.jsonl")
         config = make_config({**values, "train_iters": WARMUP + steps, "metrics_jsonl": path}, world_size)
         with TrafficCounter() as counter:
-            pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+            training.pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
         records = []
         if os.path.exists(path):  # written by the logging rank
             with open(path) as f:
                 records = [json.loads(line) for line in f]
     return [r["tokens_per_sec"] for r in records][WARMUP:], counter.bytes_sent / (WARMUP + steps)
+
+
+def host_reads_per_step(values: dict, world_size: int) -> int:
+    """Reads of device values by the host in one training step (the second: the first warms up)."""
+    config = make_config({**values, "train_iters": 2}, world_size)
+    pstate, device = training.initialize(config)
+    model = training.build_model(config, pstate, pretrain_gpt.model_provider, device)
+    optimizer = build_optimizer(config, model, pstate)
+    iterator = training.build_data_iterator(training.build_datasets(config)[0], config, pstate, 0)
+    training.train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, 0, device)
+    batches = [next(iterator) for _ in range(config.num_microbatches)]
+    reads: list[str] = []
+    with counted_device_reads(reads, [state["step"] for state in optimizer.adam.state.values()]):
+        training.train_step(pretrain_gpt.forward_step, iter(batches), model, optimizer, config, pstate, 1, device)
+    return len(reads)
 
 
 def measure_in_rounds(runs: dict, world_size: int, steps: int, rounds: int) -> dict:
@@ -117,6 +142,8 @@ def _rank_main(rank: int, world_size: int, init_file: str, runs: dict, steps: in
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     results = measure_in_rounds(runs, world_size, steps, rounds)
+    for name, values in runs.items():
+        results[name]["host_reads_per_step"] = host_reads_per_step(values, world_size)
     if rank == world_size - 1:  # the logging rank
         with open(out_file, "w") as f:
             json.dump(results, f)
@@ -148,10 +175,19 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
     single = {**RUN, "global_batch_size": 8, "device": args.device}
-    one = measure_in_rounds({"mixtral_tiny": single, "dense": dense_peer(single)}, 1, args.steps, args.rounds)
+    fine = {**single, **FINE_GRAINED}
+    one_runs = {"mixtral_tiny": single, "dense": dense_peer(single), "fine_grained_16x_top4": fine,
+                "fine_grained_dense_peer": dense_peer(fine)}
+    one = measure_in_rounds(one_runs, 1, args.steps, args.rounds)
+    for name, values in one_runs.items():
+        one[name]["host_reads_per_step"] = host_reads_per_step(values, 1)
     one_ratio = one["mixtral_tiny"]["tokens_per_sec"] / one["dense"]["tokens_per_sec"]
-    print(f"1 process   mixtral-tiny {one['mixtral_tiny']['tokens_per_sec']:,.0f} tokens/s | dense peer "
-          f"{one['dense']['tokens_per_sec']:,.0f} tokens/s | ratio MoE / dense {one_ratio:.3f}")
+    fine_ratio = one["fine_grained_16x_top4"]["tokens_per_sec"] / one["fine_grained_dense_peer"]["tokens_per_sec"]
+    for moe, dense, ratio in (("mixtral_tiny", "dense", one_ratio),
+                              ("fine_grained_16x_top4", "fine_grained_dense_peer", fine_ratio)):
+        print(f"1 process   {moe} {one[moe]['tokens_per_sec']:,.0f} tokens/s, {one[moe]['host_reads_per_step']} "
+              f"host reads/step | dense peer {one[dense]['tokens_per_sec']:,.0f} tokens/s, "
+              f"{one[dense]['host_reads_per_step']} host reads/step | ratio MoE / dense {ratio:.3f}")
 
     two = {**RUN, "global_batch_size": 16, "device": "cpu"}
     runs = {"ep2_alltoall": {**two, "expert_model_parallel_size": 2},
@@ -162,14 +198,16 @@ def main() -> None:
     for name, figures in ranks.items():
         figures["ratio_over_dense"] = figures["tokens_per_sec"] / ranks["dense"]["tokens_per_sec"]
         print(f"2 ranks     {name:>14}: {figures['tokens_per_sec']:,.0f} tokens/s ({figures['ratio_over_dense']:.3f} "
-              f"x dense), {figures['bytes_sent_per_step'] / 2**20:.2f} MiB sent per step per rank by MoE collectives")
+              f"x dense), {figures['bytes_sent_per_step'] / 2**20:.2f} MiB sent per step per rank by MoE collectives, "
+              f"{figures['host_reads_per_step']} host reads/step")
     print(f"expected alltoall volume per step per rank: {expected / 2**20:.2f} MiB")
     load = [load_before, os.getloadavg()[0]]
     print(f"load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores")
     record_result("moe", {
         "steps": args.steps, "rounds": args.rounds, "device": args.device, "micro_batch_size": RUN["micro_batch_size"],
         "load_average_before_after": load,
-        "one_process": {"global_batch_size": 8, **one, "ratio_moe_over_dense": one_ratio},
+        "one_process": {"global_batch_size": 8, **one, "ratio_moe_over_dense": one_ratio,
+                        "fine_grained": FINE_GRAINED, "ratio_fine_grained_over_dense": fine_ratio},
         "two_ranks": {"global_batch_size": 16, **ranks, "expected_alltoall_bytes_per_step": expected},
     }, sys.argv)
 

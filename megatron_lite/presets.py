@@ -41,6 +41,19 @@ MODEL_PRESETS: dict[str, dict] = {
         "vocab_size": 151936, "norm_epsilon": 1e-6, "rotary_base": 1000000.0, "qk_layernorm": True,
         "untie_embeddings_and_output_weights": False,
     },
+    "qwen3-30b-a3b": {  # 128 fine-grained experts, 8 per token, softmax renormalized over the 8
+        **_LLAMA, "num_layers": 48, "hidden_size": 2048, "ffn_hidden_size": 6144, "num_attention_heads": 32,
+        "num_query_groups": 4, "kv_channels": 128, "seq_length": 4096, "max_position_embeddings": 40960,
+        "vocab_size": 151936, "norm_epsilon": 1e-6, "rotary_base": 1000000.0, "qk_layernorm": True,
+        "num_experts": 128, "moe_router_topk": 8, "moe_ffn_hidden_size": 768, "moe_aux_loss_coeff": 0.001,
+    },
+    "qwen1.5-moe-a2.7b": {  # qwen2_moe: 60 experts, 4 per token from a softmax over all, a gated shared expert
+        **_LLAMA, "num_layers": 24, "hidden_size": 2048, "ffn_hidden_size": 5632, "num_attention_heads": 16,
+        "num_query_groups": 16, "seq_length": 8192, "max_position_embeddings": 8192, "vocab_size": 151936,
+        "norm_epsilon": 1e-6, "rotary_base": 1000000.0, "add_qkv_bias": True, "num_experts": 60,
+        "moe_router_topk": 4, "moe_ffn_hidden_size": 1408, "moe_router_pre_softmax": True,
+        "moe_shared_expert_intermediate_size": 5632, "moe_shared_expert_gate": True, "moe_aux_loss_coeff": 0.001,
+    },
     "mixtral-tiny": {
         **_LLAMA, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 256, "num_attention_heads": 4,
         "num_query_groups": 2, "seq_length": 128, "max_position_embeddings": 128, "vocab_size": 1024,

@@ -1,7 +1,8 @@
 """Model families: --qk-layernorm, --add-qkv-bias, --kv-channels and Llama 3.1's RoPE scaling under tensor
-parallelism, the scaled frequencies against transformers' formula, the llama3.2-1b and qwen3-0.6b presets against
-the published configs, and one-line errors for what cannot be built. (Logits and greedy ids of qwen2, qwen3 and a
-rope-scaled llama against transformers are in test_hf_conversion.py and test_generation.py.)"""
+parallelism, the scaled frequencies against transformers' formula, the llama3.2-1b, qwen3-0.6b, qwen3-30b-a3b and
+qwen1.5-moe-a2.7b presets against the published configs, and one-line errors for what cannot be built. (Logits
+and greedy ids of qwen2, qwen3, the Qwen MoE families and a rope-scaled llama against transformers are in
+test_hf_conversion.py and test_generation.py.)"""
 
 import pytest
 import torch
@@ -70,8 +71,25 @@ PUBLISHED = {
                    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
                    "attention_bias": False, "use_sliding_window": False, "tie_word_embeddings": True,
                    "vocab_size": 151936},
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                      "attention_bias": False, "use_sliding_window": False, "tie_word_embeddings": False,
+                      "vocab_size": 151936, "moe_intermediate_size": 768, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "router_aux_loss_coef": 0.001},
+    "qwen1.5-moe-a2.7b": {"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
+                          "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                          "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                          "use_sliding_window": False, "tie_word_embeddings": False, "vocab_size": 151936,
+                          "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
+                          "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                          "mlp_only_layers": [], "router_aux_loss_coef": 0.001},
 }
-PARAMETERS = {"llama3.2-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920}  # with the tied embedding counted once
+# With the tied embedding counted once; the MoE models' are transformers' counts of the published configs (30.5B
+# and 14.3B as published).
+PARAMETERS = {"llama3.2-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920, "qwen3-30b-a3b": 30_532_122_624,
+              "qwen1.5-moe-a2.7b": 14_315_784_192}
 
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))
