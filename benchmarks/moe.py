@@ -120,7 +120,7 @@ def host_reads_per_step(values: dict, world_size: int) -> int:
     training.train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, 0, device)
     batches = [next(iterator) for _ in range(config.num_microbatches)]
     reads: list[str] = []
-    with counted_device_reads(reads, [state["step"] for state in optimizer.adam.state.values()]):
+    with counted_device_reads(reads, [state["step"] for adam in optimizer.adams for state in adam.state.values()]):
         training.train_step(pretrain_gpt.forward_step, iter(batches), model, optimizer, config, pstate, 1, device)
     return len(reads)
 

@@ -268,7 +268,7 @@ def test_dropless_moe_training_step_reads_nothing_from_the_device_beyond_the_ste
     iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
     batches = [next(iterator) for _ in range(config.num_microbatches)]
     counts: list[str] = []
-    with counted_device_reads(counts, [state["step"] for state in optimizer.adam.state.values()]):
+    with counted_device_reads(counts, [state["step"] for adam in optimizer.adams for state in adam.state.values()]):
         train_step(pretrain_gpt.forward_step, iter(batches), model, optimizer, config, pstate, 0, device)
     assert counts == ["tolist"], counts
 
