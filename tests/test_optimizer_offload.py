@@ -158,6 +158,15 @@ def test_checkpoints_switch_between_offload_and_device_bitwise(tmp_path):
     assert resumed == pytest.approx(runs["offload_then_device"][4:], rel=1e-5)
 
 
+def test_weights_loaded_without_optimizer_state_become_the_host_masters(tmp_path):
+    values = {**CHECKPOINTED, "use_distributed_optimizer": False, "bf16": True, "global_batch_size": 2,
+              "train_iters": 2}
+    pretrain_losses({**values, "save": str(tmp_path)}, 1)
+    plain, offloaded = (pretrain_losses({**values, **flags, "load": str(tmp_path), "no_load_optim": True,
+                                         "train_iters": 4}, 1) for flags in (OFFLOAD[None], OFFLOAD[1.0]))
+    assert len(offloaded) == 2 and offloaded == plain  # bitwise: fresh moments, masters from the loaded weights
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Refused combinations
 
