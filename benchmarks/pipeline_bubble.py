@@ -1,15 +1,19 @@
-"""Pipeline bubble: the idle fraction each schedule measures on every stage, against (p - 1) / (v m).
+"""Pipeline bubble: the idle fraction each schedule measures on every stage, against theory.
 
-Runs the real schedules (forward_backward_pipelining_without_interleaving / _with_interleaving, real gloo
-p2p on one CPU process per stage) over model chunks whose forward takes a fixed time t_f / v and whose
-backward takes twice that, as a transformer's roughly does. The compute is a sleep, so stages sharing a
-few CPU cores do not slow each other down and the figure isolates the schedule: with equal stages the
-1F1B bubble is (p - 1) / m of the compute, and v virtual stages cut it to (p - 1) / (v m). Measured here
-per stage as idle / busy time from the schedule's timeline (ScheduleStats); idle includes the sends and
-receives, and a stage that finishes its part of the step early idles until the last one does. Prints
-each layout's figures, the ratio to theory, the interleaved/1F1B ratio at p = 4, and a timeline of one
-step per stage (F/B = forward/backward of chunk 0, f/b of chunk 1, '.' idle); appends the figures with
-date, machine and command to benchmarks/results/pipeline_bubble.jsonl.
+Runs the real schedules (1F1B, interleaved 1F1B, GPipe and ZB-H1, real gloo p2p on one CPU process per
+stage) over model chunks whose forward takes a fixed time t / v and whose backward twice that, as a
+transformer's roughly does: t / v for the input gradient (B) and t / v for the weight gradient (W), the
+two parts ZB-H1 runs apart. The compute is a sleep, so stages sharing a few CPU cores do not slow each
+other down and the figure isolates the schedule. With equal stages the bubble of 1F1B and GPipe is
+(p - 1) / m of the compute, v virtual stages cut it to (p - 1) / (v m), and ZB-H1's is
+(p - 1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W)) = (p - 1) / (3 m), a third of 1F1B's. Measured here per
+stage as idle / busy time from the schedule's timeline (ScheduleStats); idle includes the sends and
+receives, and a stage that finishes its part of the step early idles until the last one does. Also
+reported per stage: the peak of micro-batches live (forward run, B not yet) and held (activations kept,
+until W where the backward is split). Prints each layout's figures, the ratio to theory, each schedule's
+bubble over 1F1B's at p = 4, and a timeline of one step per stage (F/B/W = forward, backward or its
+input-gradient part, weight-gradient part of chunk 0; f/b of chunk 1; '.' idle); appends the figures
+with date, machine and command to benchmarks/results/pipeline_bubble.jsonl.
 
     python -m benchmarks.pipeline_bubble [--forward-ms 50] [--steps 4]
 """
@@ -33,42 +37,48 @@ from megatron_lite.pipeline import layer_split
 from megatron_lite.pipeline.schedules import ScheduleStats
 from tests.harness import close_all_worlds, run_on_ranks
 
-LAYOUTS = [(2, 1, 8), (4, 1, 8), (4, 2, 8)]  # (pipeline stages p, virtual stages v, micro-batches m)
+LAYOUTS = [  # (pipeline stages p, virtual stages v, micro-batches m, --pipeline-schedule)
+    (2, 1, 8, "1f1b"), (4, 1, 8, "1f1b"), (4, 2, 8, "1f1b"), (4, 1, 8, "gpipe"), (2, 1, 8, "zb-h1"),
+    (4, 1, 8, "zb-h1"),
+]
 SHAPE = {"seq_length": 32, "max_position_embeddings": 32, "hidden_size": 64, "num_attention_heads": 4,
          "micro_batch_size": 1, "vocab_size": 128, "mock_data": True}
 
 
 class _Sleep(torch.autograd.Function):
-    """Identity that takes `seconds` forward and twice that backward."""
+    """Identity that takes `forward_s` forward and `backward_s` backward."""
 
     @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        time.sleep(seconds)
+    def forward(ctx, x, forward_s, backward_s):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(2 * ctx.seconds)
-        return grad, None
+        time.sleep(ctx.backward_s)
+        return grad, None, None
 
 
 class TimedChunk(torch.nn.Module):
-    """A model chunk with a fixed compute time: [s, b, h] in, [s, b, h] out."""
+    """A model chunk with fixed compute times, [s, b, h] in, [s, b, h] out: `seconds` forward, as long again
+    for the input gradient (on the activation's path) and for the weight gradient (on the weight's path)."""
 
     def __init__(self, seconds: float, pre_process: bool):
         super().__init__()
         self.seconds = seconds
         self.pre_process = pre_process
         self.scale = torch.nn.Parameter(torch.ones(()))
+        # The first stage's input path leads to a weight, as the embedding does: its backward is 2 t as well.
+        self.embedding = torch.nn.Parameter(torch.ones(())) if pre_process else None
         self.input_tensor = None
 
     def set_input_tensor(self, tensor):
         self.input_tensor = tensor
 
     def forward(self, batch):
-        x = batch if self.pre_process else self.input_tensor
-        return _Sleep.apply(x * self.scale, self.seconds)
+        x = batch * self.embedding if self.pre_process else self.input_tensor
+        return _Sleep.apply(x, self.seconds, self.seconds) * _Sleep.apply(self.scale, 0.0, self.seconds)
 
 
 def forward_step(data_iterator, model):
@@ -86,9 +96,10 @@ def _batches(shape):
         yield torch.randn(shape)
 
 
-def measure(p: int, v: int, m: int, forward_s: float, steps: int) -> dict:
+def measure(p: int, v: int, m: int, schedule_name: str, forward_s: float, steps: int) -> dict:
     """On each of p ranks: per-step idle and busy time of this stage, and one step's timeline."""
-    values = {**SHAPE, "num_layers": p * v, "pipeline_model_parallel_size": p, "global_batch_size": m}
+    values = {**SHAPE, "num_layers": p * v, "pipeline_model_parallel_size": p, "global_batch_size": m,
+              "pipeline_schedule": schedule_name}
     if v > 1:
         values["num_layers_per_virtual_pipeline_stage"] = 1
     config = make_config(values, p)
@@ -106,6 +117,7 @@ def measure(p: int, v: int, m: int, forward_s: float, steps: int) -> dict:
             measured.append(stats)
     return {"stage": pstate.pp_rank, "step_s": [s.total_time for s in measured],
             "busy_s": [s.busy_time for s in measured], "peak_live": measured[-1].peak_live,
+            "peak_held": measured[-1].peak_held,
             "events": [(k, c, mb, t0 - measured[-1].start, t1 - measured[-1].start)
                        for k, c, mb, t0, t1 in measured[-1].events]}
 
@@ -120,7 +132,7 @@ def bubble_per_stage(stages: list[dict]) -> list[float]:
 
 
 def render(stage: dict, slot_s: float, width: int) -> str:
-    """One stage's step as characters of `slot_s` each: F/B chunk 0, f/b chunk 1, '.' idle."""
+    """One stage's step as characters of `slot_s` each: F/B/W chunk 0, f/b chunk 1, '.' idle."""
     line = ["."] * width
     for kind, chunk, _, start, end in stage["events"]:
         char = kind if chunk == 0 else kind.lower()
@@ -136,32 +148,37 @@ def main() -> None:
     args = parser.parse_args()
     forward_s = args.forward_ms / 1000
     figures, timelines = [], {}
-    for p, v, m in LAYOUTS:
-        stages = sorted(run_on_ranks(p, measure, p, v, m, forward_s, args.steps), key=lambda r: r["stage"])
+    for p, v, m, schedule in LAYOUTS:
+        stages = sorted(run_on_ranks(p, measure, p, v, m, schedule, forward_s, args.steps), key=lambda r: r["stage"])
         per_stage = bubble_per_stage(stages)
         measured = sum(per_stage) / p
-        theory = (p - 1) / (v * m)
-        schedule = "interleaved 1F1B" if v > 1 else "1F1B"
-        figures.append({"p": p, "v": v, "m": m, "schedule": schedule, "theory": theory, "measured": measured,
+        theory = (p - 1) / (v * m) / (3 if schedule == "zb-h1" else 1)
+        name = {"1f1b": "interleaved 1F1B" if v > 1 else "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1"}[schedule]
+        figures.append({"p": p, "v": v, "m": m, "schedule": name, "theory": theory, "measured": measured,
                         "measured_per_stage": per_stage, "ratio_to_theory": measured / theory,
                         "step_s": max(max(s["step_s"]) for s in stages),
-                        "peak_live_per_stage": [s["peak_live"] for s in stages]})
+                        "peak_live_per_stage": [s["peak_live"] for s in stages],
+                        "peak_held_per_stage": [s["peak_held"] for s in stages]})
         slot = forward_s / v / 2
         width = int(max(s["step_s"][-1] for s in stages) / slot) + 1
-        timelines[f"p{p}_v{v}_m{m}"] = [render(s, slot, width) for s in stages]
-        print(f"p={p} v={v} m={m} {schedule:>16}: bubble measured {measured:.3f} (per stage "
-              f"{', '.join(f'{x:.3f}' for x in per_stage)}) theory (p-1)/(v m) = {theory:.3f} "
-              f"ratio {measured / theory:.2f}; step {figures[-1]['step_s'] * 1e3:.0f} ms; "
-              f"peak live micro-batches per stage {figures[-1]['peak_live_per_stage']}")
-        for stage, line in enumerate(timelines[f"p{p}_v{v}_m{m}"]):
+        key = f"p{p}_v{v}_m{m}_{schedule}"
+        timelines[key] = [render(s, slot, width) for s in stages]
+        print(f"p={p} v={v} m={m} {name:>16}: bubble measured {measured:.3f} (per stage "
+              f"{', '.join(f'{x:.3f}' for x in per_stage)}) theory {theory:.3f} ratio {measured / theory:.2f}; "
+              f"step {figures[-1]['step_s'] * 1e3:.0f} ms; peak micro-batches per stage live "
+              f"{figures[-1]['peak_live_per_stage']} held {figures[-1]['peak_held_per_stage']}")
+        for stage, line in enumerate(timelines[key]):
             print(f"    stage {stage} |{line}|")
     close_all_worlds()
-    one, two = figures[1]["measured"], figures[2]["measured"]
-    print(f"p=4: interleaved (v=2) / 1F1B bubble = {two / one:.3f} (theory 0.5)")
+    at_p4 = {f["schedule"]: f["measured"] for f in figures if f["p"] == 4}
+    over_1f1b = {name: bubble / at_p4["1F1B"] for name, bubble in at_p4.items() if name != "1F1B"}
+    print("p=4, bubble over 1F1B's: " + ", ".join(f"{name} {ratio:.3f}" for name, ratio in over_1f1b.items())
+          + " (theory: interleaved v=2 0.5, GPipe 1, ZB-H1 0.333)")
     uname = subprocess.run(["uname", "-a"], capture_output=True, text=True).stdout.strip() or platform.platform()
     record_result("pipeline_bubble", {"forward_ms": args.forward_ms, "backward_ms": 2 * args.forward_ms,
+                                      "backward_split_ms": {"input": args.forward_ms, "weight": args.forward_ms},
                                       "steps": args.steps, "uname": uname, "layouts": figures,
-                                      "interleaved_over_1f1b_p4": two / one, "timelines": timelines}, sys.argv)
+                                      "bubble_over_1f1b_p4": over_1f1b, "timelines": timelines}, sys.argv)
 
 
 if __name__ == "__main__":

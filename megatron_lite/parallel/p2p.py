@@ -64,6 +64,19 @@ class PipelineCommunicator:
         `send_next` is an activation for the next stage, `send_prev` a gradient for the previous one;
         `recv_prev` / `recv_next` name the (micro-batch, chunk) expected, or None to receive nothing.
         """
+        from_prev, from_next, handles = self.post(send_next=send_next, send_next_label=send_next_label,
+                                                  send_prev=send_prev, send_prev_label=send_prev_label,
+                                                  recv_prev=recv_prev, recv_next=recv_next)
+        for handle in handles:
+            handle.wait()
+        return from_prev, from_next
+
+    def post(self, *, send_next: torch.Tensor | None = None, send_next_label: Label | None = None,
+             send_prev: torch.Tensor | None = None, send_prev_label: Label | None = None,
+             recv_prev: Label | None = None, recv_next: Label | None = None):
+        """`communicate` without the wait: (activation buffer, gradient buffer, handles), the buffers filled
+        once every handle has been waited on. A stage can compute while its neighbours take their messages
+        (gloo's send completes only when the matching receive is posted)."""
         from_prev = self._buffer() if recv_prev is not None else None
         from_next = self._buffer() if recv_next is not None else None
         ops = [
@@ -87,9 +100,7 @@ class PipelineCommunicator:
                 handles.append(mappings.isend(tensor.contiguous(), peer, self.group, tag))
             else:
                 handles.append(mappings.irecv(tensor, peer, self.group, tag))
-        for handle in handles:
-            handle.wait()
-        return from_prev, from_next
+        return from_prev, from_next, handles
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)

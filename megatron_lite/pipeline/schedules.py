@@ -322,9 +322,19 @@ def forward_backward_pipelining_zero_bubble(forward_step_func, data_iterator, mo
     saved: list[tuple] = []  # (input, output) of micro-batches whose B is still to run, oldest first
     waiting: list[tuple] = []  # (micro-batch, W pass) whose W is still to run, oldest first
 
-    def weight_pass():
-        mb, pending = waiting.pop(0)
-        run.backward_weight(0, mb, pending, mb == m - 1)
+    def send_backward_and_weight_pass(input_grad, backward_mb: int, recv_forward_mb: int | None, weight: bool):
+        """Send B's gradient back and post the receive of the next input, run the oldest W while they travel,
+        then wait for both; returns the next input (None on the first stage or without one)."""
+        first = pstate.is_first_stage
+        recv = None if first or recv_forward_mb is None else (recv_forward_mb, 0)
+        next_input, _, handles = comm.post(send_prev=None if first else input_grad, send_prev_label=(backward_mb, 0),
+                                           recv_prev=recv)
+        if weight:
+            mb, pending = waiting.pop(0)
+            run.backward_weight(0, mb, pending, mb == m - 1)
+        for handle in handles:
+            handle.wait()
+        return next_input
 
     for mb in range(num_warmup):
         saved.append(_receive_forward_send(run, comm, mb, data_iterator))
@@ -338,23 +348,19 @@ def forward_backward_pipelining_zero_bubble(forward_step_func, data_iterator, mo
         input_tensor, output = saved.pop(0)
         input_grad, pending = run.backward_input(0, backward_mb, input_tensor, output, output_grad)
         waiting.append((backward_mb, pending))
-        if step == num_steady - 1:
-            input_tensor = None
-            comm.send_backward(input_grad, (backward_mb, 0))
-        else:
-            input_tensor = comm.send_backward_recv_forward(input_grad, (backward_mb, 0), (forward_mb + 1, 0))
-        if step >= pstate.pp_rank:
-            weight_pass()
+        input_tensor = send_backward_and_weight_pass(input_grad, backward_mb,
+                                                     None if step == num_steady - 1 else forward_mb + 1,
+                                                     step >= pstate.pp_rank)
 
     for backward_mb in range(num_steady, m):
         input_tensor, output = saved.pop(0)
         output_grad = comm.recv_backward((backward_mb, 0))
         input_grad, pending = run.backward_input(0, backward_mb, input_tensor, output, output_grad)
         waiting.append((backward_mb, pending))
-        comm.send_backward(input_grad, (backward_mb, 0))
-        weight_pass()
+        send_backward_and_weight_pass(input_grad, backward_mb, None, True)
     while waiting:
-        weight_pass()
+        mb, pending = waiting.pop(0)
+        run.backward_weight(0, mb, pending, mb == m - 1)
     return run.finish()
 
 
