@@ -25,7 +25,7 @@ from megatron_lite.parallel import mappings
 from megatron_lite.parallel.p2p import TRACE_ENV
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.pipeline.layer_split import model_chunk_plans
-from megatron_lite.pipeline.schedules import ScheduleStats
+from megatron_lite.pipeline.microbatch import ScheduleStats
 from megatron_lite.training import (
     build_data_iterator,
     build_datasets,

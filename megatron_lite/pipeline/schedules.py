@@ -19,196 +19,44 @@ In 1F1B stage p of P runs P - p - 1 warm-up forwards, so it holds at most P - p 
 (GPipe holds all m) and idles (P - 1) micro-batch times per step: the bubble is (P - 1) / m of the
 compute, in both. ZB-H1 sends each gradient back after B alone and fills the waits with delayed W
 passes: the bubble drops to (P - 1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W)), a third of 1F1B's when the
-three take equal time. The interleaved schedule gives each stage v chunks of L / (P v) layers and cuts the bubble to
-(P - 1) / (v m), holding more micro-batches in flight in exchange. An activation is dropped as soon
+three take equal time. The interleaved schedule gives each stage v chunks of L / (P v) layers and cuts
+the bubble to (P - 1) / (v m), holding more micro-batches in flight in exchange. An activation is dropped as soon
 as its backward has run. Gradient reduction is deferred (`no_sync`) until the last micro-batch's
 backward of each chunk, so with --overlap-grad-reduce a chunk's buckets start reducing then.
 
-Pass a `ScheduleStats` as `stats=` to get this rank's timeline (forward/backward/weight-gradient/idle) and
-its peak numbers of live and held micro-batches; with MEGATRON_LITE_PP_TRACE=1 every send/recv and a per-stage summary
-are printed to stderr.
+Pass a `ScheduleStats` (microbatch.py) as `stats=` to get this rank's timeline (forward, backward,
+weight-gradient, idle) and its peak numbers of live and held micro-batches; with MEGATRON_LITE_PP_TRACE=1
+every send/recv and a per-stage summary are printed to stderr.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 
-import torch
-
-from megatron_lite.parallel.p2p import PipelineCommunicator, trace, trace_enabled
-from megatron_lite.pipeline import split_backward
-
-
-def _zero_tokens(model_chunk: torch.nn.Module) -> torch.Tensor:
-    """The running token count: float64, on the model's device, where the loss masks are."""
-    return torch.zeros((), dtype=torch.float64, device=next(model_chunk.parameters()).device)
-
-
-def _accumulate(reports: list[dict], total_tokens: torch.Tensor, loss_func, output) -> torch.Tensor:
-    loss_sum, num_tokens, report = loss_func(output)
-    reports.append(report)
-    total_tokens += num_tokens.detach().to(total_tokens.dtype)
-    return loss_sum
+from megatron_lite.pipeline.microbatch import (
+    MicroBatchRunner,
+    ScheduleStats,
+    accumulate_loss,
+    receive_forward_send,
+    stage_communicator,
+    zero_tokens,
+)
 
 
 def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_microbatches: int, *,
                                    loss_scale: float = 1.0, forward_only: bool = False, **_):
     """All micro-batches on one stage: forward then backward each, reducing gradients only after the last."""
     chunk = model[0] if isinstance(model, list) else model
-    reports, total_tokens = [], _zero_tokens(chunk)
+    reports, total_tokens = [], zero_tokens(chunk)
     no_sync = getattr(chunk, "no_sync", contextlib.nullcontext)
     for index in range(num_microbatches):
         last = index == num_microbatches - 1
         with contextlib.nullcontext() if (last or forward_only) else no_sync():
             output, loss_func = forward_step_func(data_iterator, chunk)
-            loss_sum = _accumulate(reports, total_tokens, loss_func, output)
+            loss_sum = accumulate_loss(reports, total_tokens, loss_func, output)
             if not forward_only:
                 (loss_sum * loss_scale).backward()
     return reports, total_tokens
-
-
-# -------------------------------------------------------------------------------------------------------
-# Shared by the pipelined schedules
-
-
-class ScheduleStats:
-    """What one schedule call did on this rank: its forward/backward timeline and live micro-batches.
-
-    `events` holds (kind, chunk, micro-batch, start, end) in host wall-clock seconds, kind "F" (forward),
-    "B" (backward, or its input-gradient part when split) or "W" (the weight-gradient part); idle time is
-    the rest of the call (waiting for neighbours, and the sends and receives themselves). `peak_live` is
-    the most micro-batches whose forward had run and whose backward (B) had not; `peak_held` the most
-    whose graph was still kept, until W where the backward is split (else the same as `peak_live`).
-    """
-
-    def __init__(self):
-        self.events: list[tuple[str, int, int, float, float]] = []
-        self.start = self.end = time.perf_counter()
-        self.live = self.held = 0
-        self.peak_live = self.peak_held = 0
-
-    @property
-    def total_time(self) -> float:
-        return self.end - self.start
-
-    @property
-    def busy_time(self) -> float:
-        return sum(end - start for _, _, _, start, end in self.events)
-
-    @property
-    def idle_time(self) -> float:
-        return self.total_time - self.busy_time
-
-    def summary(self) -> str:
-        """One line: busy/idle split, peak live micro-batches, then each event as kind+micro-batch/chunk."""
-        timeline = " ".join(f"{kind}{mb}/{chunk}@{1e3 * (start - self.start):.1f}-{1e3 * (end - self.start):.1f}ms"
-                            for kind, chunk, mb, start, end in self.events)
-        return (f"busy {self.busy_time:.4f}s idle {self.idle_time:.4f}s "
-                f"(idle/busy {self.idle_time / max(self.busy_time, 1e-12):.3f}) peak live micro-batches "
-                f"{self.peak_live}, held {self.peak_held} | {timeline}")
-
-
-class _MicroBatchRunner:
-    """Forward and backward of one micro-batch on one model chunk; keeps the reports, tokens and stats."""
-
-    def __init__(self, forward_step_func, model: list, pstate, *, loss_scale: float, forward_only: bool,
-                 stats: ScheduleStats):
-        self.forward_step_func = forward_step_func
-        self.model = model
-        self.pstate = pstate
-        self.loss_scale = loss_scale
-        self.forward_only = forward_only
-        self.stats = stats
-        stats.start = time.perf_counter()
-        self.reports: list[dict] = []
-        self.total_tokens = _zero_tokens(model[0])
-
-    def computes_loss(self, chunk_id: int) -> bool:
-        return self.pstate.is_last_stage and chunk_id == len(self.model) - 1
-
-    def forward(self, chunk_id: int, microbatch: int, input_tensor, data_iterator) -> torch.Tensor:
-        """The chunk's output activations [s(/tp), b, h], or the scaled loss on the last stage."""
-        start = time.perf_counter()
-        chunk = self.model[chunk_id]
-        if input_tensor is not None and not self.forward_only:
-            input_tensor.requires_grad_()
-        chunk.set_input_tensor(input_tensor)
-        output, loss_func = self.forward_step_func(data_iterator, chunk)
-        if self.computes_loss(chunk_id):
-            loss_sum = _accumulate(self.reports, self.total_tokens, loss_func, output)
-            output = loss_sum if self.forward_only else loss_sum * self.loss_scale
-        if not self.forward_only:
-            self.stats.live += 1
-            self.stats.held += 1
-            self.stats.peak_live = max(self.stats.peak_live, self.stats.live)
-            self.stats.peak_held = max(self.stats.peak_held, self.stats.held)
-        self.stats.events.append(("F", chunk_id, microbatch, start, time.perf_counter()))
-        return output
-
-    def backward(self, chunk_id: int, microbatch: int, input_tensor, output_tensor, output_grad,
-                 last_microbatch: bool):
-        """Backpropagate one micro-batch; returns the gradient for the previous stage (None on the first).
-
-        Gradient reduction stays deferred until the chunk's last micro-batch, whose backward may start it.
-        """
-        start = time.perf_counter()
-        chunk = self.model[chunk_id]
-        no_sync = getattr(chunk, "no_sync", contextlib.nullcontext)
-        with contextlib.nullcontext() if last_microbatch else no_sync():
-            torch.autograd.backward(output_tensor, grad_tensors=output_grad)  # None: the loss itself
-        self.stats.live -= 1
-        self.stats.held -= 1
-        self.stats.events.append(("B", chunk_id, microbatch, start, time.perf_counter()))
-        return input_tensor.grad if input_tensor is not None else None
-
-    def backward_input(self, chunk_id: int, microbatch: int, input_tensor, output_tensor, output_grad):
-        """B: the gradient for the previous stage only (None on the first); returns it and the micro-batch's W."""
-        start = time.perf_counter()
-        params = list(self.model[chunk_id].parameters())
-        input_grad, weight_pass = split_backward.backward_input(output_tensor, output_grad, input_tensor, params)
-        self.stats.live -= 1
-        self.stats.events.append(("B", chunk_id, microbatch, start, time.perf_counter()))
-        return input_grad, weight_pass
-
-    def backward_weight(self, chunk_id: int, microbatch: int, weight_pass: split_backward.WeightGradientPass,
-                        last_microbatch: bool):
-        """W: accumulate one micro-batch's weight gradients; the last micro-batch's may start their reduction."""
-        start = time.perf_counter()
-        chunk = self.model[chunk_id]
-        no_sync = getattr(chunk, "no_sync", contextlib.nullcontext)
-        with contextlib.nullcontext() if last_microbatch else no_sync():
-            weight_pass.run()
-        self.stats.held -= 1
-        self.stats.events.append(("W", chunk_id, microbatch, start, time.perf_counter()))
-
-    def finish(self):
-        """Close the timeline; the schedule's return value (reports, local token count)."""
-        self.stats.end = time.perf_counter()
-        if trace_enabled():
-            trace(f"rank {self.pstate.rank} stage {self.pstate.pp_rank} {self.stats.summary()}")
-        return self.reports, self.total_tokens
-
-
-def _communicator(model: list, pstate, config) -> PipelineCommunicator:
-    """Activations between stages are [s/cp, mbs, h], the sequence also split over TP with sequence
-    parallelism, in the dtype of the model's parameters."""
-    m, p = config.model, config.parallel
-    seq = m.seq_length // p.context_parallel_size
-    if p.sequence_parallel:
-        seq //= p.tensor_model_parallel_size
-    param = next(model[0].parameters())
-    return PipelineCommunicator(pstate, (seq, config.training.micro_batch_size, m.hidden_size), param.dtype,
-                                param.device)
-
-
-def _receive_forward_send(run: _MicroBatchRunner, comm: PipelineCommunicator, mb: int, data_iterator):
-    """One micro-batch through a stage of a non-interleaved pipeline: receive its input (None on the first
-    stage), run the forward, send the output on (not past the last stage); returns (input, output)."""
-    input_tensor = comm.recv_forward((mb, 0))
-    output = run.forward(0, mb, input_tensor, data_iterator)
-    comm.send_forward(output, (mb, 0))
-    return input_tensor, output
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -226,15 +74,15 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
     """
     model = model if isinstance(model, list) else [model]
     stats = stats if stats is not None else ScheduleStats()
-    run = _MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
+    run = MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
                             stats=stats)
-    comm = _communicator(model, pstate, config)
+    comm = stage_communicator(model, pstate, config)
     num_warmup = num_microbatches if forward_only else min(pstate.pp_size - pstate.pp_rank - 1, num_microbatches)
     num_steady = num_microbatches - num_warmup
     saved: list[tuple] = []  # (input, output) of micro-batches whose backward is still to run, oldest first
 
     for mb in range(num_warmup):
-        input_and_output = _receive_forward_send(run, comm, mb, data_iterator)
+        input_and_output = receive_forward_send(run, comm, mb, data_iterator)
         if not forward_only:
             saved.append(input_and_output)
 
@@ -277,12 +125,12 @@ def forward_backward_pipelining_gpipe(forward_step_func, data_iterator, model, n
     """
     model = model if isinstance(model, list) else [model]
     stats = stats if stats is not None else ScheduleStats()
-    run = _MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
+    run = MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
                             stats=stats)
-    comm = _communicator(model, pstate, config)
+    comm = stage_communicator(model, pstate, config)
     saved: list[tuple] = []  # (input, output) of every micro-batch, oldest first
     for mb in range(num_microbatches):
-        input_and_output = _receive_forward_send(run, comm, mb, data_iterator)
+        input_and_output = receive_forward_send(run, comm, mb, data_iterator)
         if not forward_only:
             saved.append(input_and_output)
     for mb in range(len(saved)):
@@ -313,9 +161,9 @@ def forward_backward_pipelining_zero_bubble(forward_step_func, data_iterator, mo
             forward_only=True, loss_scale=loss_scale, stats=stats)
     model = model if isinstance(model, list) else [model]
     stats = stats if stats is not None else ScheduleStats()
-    run = _MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=False,
+    run = MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=False,
                             stats=stats)
-    comm = _communicator(model, pstate, config)
+    comm = stage_communicator(model, pstate, config)
     m = num_microbatches
     num_warmup = min(pstate.pp_size - pstate.pp_rank - 1, m)
     num_steady = m - num_warmup
@@ -337,7 +185,7 @@ def forward_backward_pipelining_zero_bubble(forward_step_func, data_iterator, mo
         return next_input
 
     for mb in range(num_warmup):
-        saved.append(_receive_forward_send(run, comm, mb, data_iterator))
+        saved.append(receive_forward_send(run, comm, mb, data_iterator))
 
     input_tensor = comm.recv_forward((num_warmup, 0)) if num_steady else None
     for step in range(num_steady):
@@ -413,9 +261,9 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
         raise ValueError(f"the interleaved schedule needs the micro-batch count ({m}) divisible by the "
                          f"pipeline size ({pp})")
     stats = stats if stats is not None else ScheduleStats()
-    run = _MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
+    run = MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
                             stats=stats)
-    comm = _communicator(model, pstate, config)
+    comm = stage_communicator(model, pstate, config)
     feed = _MicroBatchFeed(data_iterator, v)
     total = m * v
     all_warmup = forward_only or m == pp
