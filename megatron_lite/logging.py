@@ -31,9 +31,9 @@ def training_flops_per_token(config: ModelConfig) -> float:
     """Model FLOPs to train on one token, counting matrix multiplies only (as PaLM's MFU, appendix B).
 
     Forward: 2 FLOPs per weight of every linear layer (QKV, attention output, MLP or the top-k experts a
-    token visits, output layer) plus the attention scores and weighted sum, 2 * 2 * seq * hidden per
-    layer (the full square, as Megatron counts it; heads x head size stands for hidden where --kv-channels
-    sets another head size). Backward costs twice the forward. Activation
+    token visits and the shared expert, output layer) plus the attention scores and weighted sum,
+    2 * 2 * seq * hidden per layer (the full square, as Megatron counts it; heads x head size stands for
+    hidden where --kv-channels sets another head size). Backward costs twice the forward. Activation
     recomputation is not counted: it is work the hardware does, not work the model needs, so MFU stays
     comparable between runs with and without it.
     """
@@ -45,6 +45,8 @@ def training_flops_per_token(config: ModelConfig) -> float:
     if config.num_experts:
         moe_layers = len(moe_layer_numbers(config))
         moe_mlp = config.moe_router_topk * mlp_matrices * h * config.moe_ffn_hidden_size + h * config.num_experts
+        if config.moe_shared_expert_intermediate_size:  # and its gate
+            moe_mlp += mlp_matrices * h * config.moe_shared_expert_intermediate_size + h * config.moe_shared_expert_gate
         mlp_weights = moe_layers * moe_mlp + (L - moe_layers) * dense_mlp
     else:
         mlp_weights = L * dense_mlp

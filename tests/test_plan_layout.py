@@ -32,6 +32,10 @@ LAYOUTS = {
     "dp4_ep2_moe_zero2_bf16": {**LLAMA, "model_preset": "mixtral-tiny", "num_experts": 4,
                                "expert_model_parallel_size": 2, "data_parallel_sharding_strategy": "optim_grads",
                                "bf16": True, "ddp_bucket_size": 7000},
+    "tp2_dp2_ep2_moe_shared_expert_zero1": {**LLAMA, "model_preset": "mixtral-tiny", "num_experts": 4,
+                                            "expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                            "moe_shared_expert_intermediate_size": 64, "moe_shared_expert_gate": True,
+                                            "use_distributed_optimizer": True},
     "tp2_dp2_qk_norm_qkv_bias_zero2_fp32": {**LLAMA, "tensor_model_parallel_size": 2, "qk_layernorm": True,
                                             "add_qkv_bias": True, "data_parallel_sharding_strategy": "optim_grads"},
 }

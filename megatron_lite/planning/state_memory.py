@@ -86,6 +86,9 @@ def _layer_params(config: Config, layer_number: int, unit: int) -> list[ParamSha
         dense.append(m.num_experts * h)  # the router, replicated
         for _ in range(m.num_experts // ep):
             expert += [chunks * m.moe_ffn_hidden_size // tp * h, h * (m.moe_ffn_hidden_size // tp)]
+        shared = m.moe_shared_expert_intermediate_size
+        if shared:  # split over TP as the dense MLP, no biases; its gate replicated
+            dense += [chunks * shared // tp * h, h * (shared // tp)] + ([h] if m.moe_shared_expert_gate else [])
     else:
         dense += _linear(chunks * m.ffn_hidden_size, h, bias, 0, tp) + _linear(h, m.ffn_hidden_size, bias, 1, tp)
     return [ParamShape(n, unit=unit) for n in dense] + [ParamShape(n, expert=True, unit=unit) for n in expert]
