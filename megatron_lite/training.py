@@ -22,7 +22,7 @@ from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.errors import TrainingDivergedError
 from megatron_lite.logging import TrainingLogger
-from megatron_lite.model.moe import moe_metrics, set_moe_loss_scale, update_expert_biases
+from megatron_lite.model.moe import moe_metrics, update_expert_biases
 from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
@@ -244,7 +244,6 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
     global_batch_size = config.global_batch_size_at(consumed_samples)
     for chunk in model:
         chunk.zero_grad_buffer()
-    set_moe_loss_scale(model, optimizer.loss_scale)
     with timers.phase("forward_backward"):
         reports, tokens = get_schedule(config)(
             forward_step_func, data_iterator, model, config.num_microbatches_at(consumed_samples), pstate=pstate,

@@ -14,18 +14,25 @@ from megatron_lite.config import ConfigError, make_config
 from megatron_lite.host_reads import counted_device_reads
 from megatron_lite.model import moe_experts
 from megatron_lite.model.gpt import GPTModel
+from megatron_lite.model.loss_scaling import scaled_loss
 from megatron_lite.model.moe import (
     MoELayer,
     moe_metrics,
     moe_mlp_factory,
-    set_moe_loss_scale,
     update_expert_biases,
 )
 from megatron_lite.model.moe_router import capacity_keep_mask, expert_capacity
 from megatron_lite.model.sharding import initialize_parameters
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
+from megatron_lite.pipeline import schedules
+from megatron_lite.training import (
+    build_data_iterator,
+    build_datasets,
+    build_model,
+    initialize,
+    train_step,
+)
 from tests.tolerances import assert_close_relative
 
 BASE = {"model_preset": "mixtral-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
@@ -223,10 +230,37 @@ def test_moe_loss_gradients_follow_the_fp16_loss_scale():
     (layer(x) * upstream).sum().backward()
     unscaled = [p.grad.clone() for p in layer.parameters()]
     layer.zero_grad()
-    set_moe_loss_scale([layer], 1024.0)
-    ((layer(x) * upstream).sum() * 1024.0).backward()
+    with scaled_loss(1024.0):  # as the schedule runs each forward
+        output = layer(x)
+    ((output * upstream).sum() * 1024.0).backward()
     for got, want in zip([p.grad for p in layer.parameters()], unscaled, strict=True):
         assert_close_relative(got / 1024.0, want, rel=1e-5)
+
+
+@pytest.mark.parametrize("schedule", [schedules.forward_backward_no_pipelining,
+                                      schedules.forward_backward_pipelining_without_interleaving])
+def test_the_schedules_scale_the_moe_losses_with_the_language_model_loss(schedule):
+    """A schedule run with loss scale 256 gives router and expert gradients 256 times those of loss scale 1,
+    with balancing losses weighted enough to count in them (1F1B on one stage runs the pipelines' micro-batch
+    runner)."""
+    config = make_config({**BASE, "moe_aux_loss_coeff": 1.0, "moe_z_loss_coeff": 0.1, "micro_batch_size": 2,
+                          "global_batch_size": 4})
+    pstate, device = initialize(config)
+    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+    iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
+    batches = [next(iterator) for _ in range(config.num_microbatches)]
+
+    def moe_grads(loss_scale: float) -> dict:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        schedule(pretrain_gpt.forward_step, iter(batches), model, config.num_microbatches, pstate=pstate,
+                             config=config, loss_scale=loss_scale)
+        return {name: p.main_grad.clone() for chunk in model for name, p in chunk.module.named_global_parameters()
+                if ".mlp." in name}
+
+    plain, scaled = moe_grads(1.0), moe_grads(256.0)
+    for name, grad in plain.items():
+        assert_close_relative(scaled[name] / 256.0, grad, rel=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("kernel", ["grouped_mm", "padded_bmm"])

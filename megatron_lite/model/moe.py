@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import Config, ModelConfig
+from megatron_lite.model.loss_scaling import current_loss_scale
 from megatron_lite.model.moe_experts import GroupedExperts, SharedExpertMLP
 from megatron_lite.model.moe_router import MoEAuxLossAutoScaler, RouterLosses, TopKRouter, capacity_keep_mask
 from megatron_lite.model.moe_token_dispatcher import TOKEN_DISPATCHERS
@@ -64,7 +65,6 @@ class MoELayer(torch.nn.Module):
         self.shared_experts = (SharedExpertMLP(config, pstate.tp_size)
                                if config.moe_shared_expert_intermediate_size else None)
         self.token_dispatcher = TOKEN_DISPATCHERS[token_dispatcher](config.num_experts, pstate)
-        self.loss_scale = 1.0  # the factor the schedule multiplies the loss by (fp16 loss scaling)
         # Since the last moe_metrics, in float64 on the model's device (None until the first backward):
         # micro-batches, this rank's shares of aux and z-loss, dropped token copies, tokens per expert.
         self.statistics: torch.Tensor | None = None
@@ -78,7 +78,7 @@ class MoELayer(torch.nn.Module):
         keep = self._capacity_keep_mask(probs, indices) if self.capacity_factor is not None else None
         record = self._statistics_record(losses, keep)
         probs = MoEAuxLossAutoScaler.apply(probs, losses.aux_loss + losses.z_loss,
-                                           losses.num_tokens * self.loss_scale,
+                                           losses.num_tokens * current_loss_scale(),
                                            lambda: self._record_statistics(record))
         expert_inputs, tokens_per_expert, handle = self.token_dispatcher.dispatch(tokens, probs, indices, keep)
         output = self.token_dispatcher.combine(self.experts(expert_inputs, tokens_per_expert), handle)
@@ -143,12 +143,6 @@ def moe_mlp_factory(config: Config, pstate: ParallelState):
 
 def moe_layers(model_chunks) -> list[MoELayer]:
     return [module for chunk in model_chunks for module in chunk.modules() if isinstance(module, MoELayer)]
-
-
-def set_moe_loss_scale(model_chunks, loss_scale: float) -> None:
-    """Scale the MoE losses' gradients as the schedule scales the language-model loss's (fp16)."""
-    for layer in moe_layers(model_chunks):
-        layer.loss_scale = loss_scale
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from megatron_lite.model.loss_scaling import scaled_loss
 from megatron_lite.parallel.p2p import PipelineCommunicator, trace, trace_enabled
 from megatron_lite.pipeline import split_backward
 
@@ -88,7 +89,8 @@ class MicroBatchRunner:
         if input_tensor is not None and not self.forward_only:
             input_tensor.requires_grad_()
         chunk.set_input_tensor(input_tensor)
-        output, loss_func = self.forward_step_func(data_iterator, chunk)
+        with scaled_loss(1.0 if self.forward_only else self.loss_scale):  # for losses the layers attach
+            output, loss_func = self.forward_step_func(data_iterator, chunk)
         if self.computes_loss(chunk_id):
             loss_sum = accumulate_loss(self.reports, self.total_tokens, loss_func, output)
             output = loss_sum if self.forward_only else loss_sum * self.loss_scale

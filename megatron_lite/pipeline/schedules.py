@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 
+from megatron_lite.model.loss_scaling import scaled_loss
 from megatron_lite.pipeline.microbatch import (
     MicroBatchRunner,
     ScheduleStats,
@@ -52,7 +53,8 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_
     for index in range(num_microbatches):
         last = index == num_microbatches - 1
         with contextlib.nullcontext() if (last or forward_only) else no_sync():
-            output, loss_func = forward_step_func(data_iterator, chunk)
+            with scaled_loss(1.0 if forward_only else loss_scale):  # for losses the layers attach
+                output, loss_func = forward_step_func(data_iterator, chunk)
             loss_sum = accumulate_loss(reports, total_tokens, loss_func, output)
             if not forward_only:
                 (loss_sum * loss_scale).backward()
