@@ -16,14 +16,10 @@ Prints the largest relative error per layout and appends everything to benchmark
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
-
-import torch
 
 import pretrain_gpt
+from benchmarks.cpu_allocation_peak import measure_peak
 from benchmarks.results_file import record_result
 from megatron_lite.config import make_config
 from megatron_lite.optim.distributed_optimizer import build_optimizer
@@ -69,23 +65,6 @@ LAYOUTS = {
 }
 
 
-def peak_allocated_while(function) -> int:
-    """The highest running total of the CPU allocator's allocations (minus their frees) while `function` runs."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
-        function()
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "trace.json")
-        profile.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    changes = sorted((event["ts"], event["args"]["Bytes"]) for event in events if event.get("name") == "[memory]")
-    total = peak = 0
-    for _, change in changes:
-        total += change
-        peak = max(peak, total)
-    return peak
-
-
 def measure(values: dict, world_size: int) -> dict:
     """On this rank: built and planned state bytes, measured and planned peak activation bytes."""
     config = make_config(values, world_size)
@@ -105,12 +84,13 @@ def measure(values: dict, world_size: int) -> dict:
         get_schedule(config)(pretrain_gpt.forward_step, iterator, model, config.num_microbatches, pstate=pstate,
                              config=config, loss_scale=optimizer.loss_scale)
 
-    measured_peak = peak_allocated_while(forward_backward)
+    measured_peak, unrecorded_frees = measure_peak(forward_backward)
     state = stage_state_bytes(config, pstate.pp_rank, pstate.cp_rank + pstate.cp_size * pstate.dp_rank)
     activations = stage_activation_bytes(config, pstate.pp_rank, schedule_of(config))
     return {"pp_rank": pstate.pp_rank, "built": built,
             "planned": {"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
-            "activation_peak": {"measured": measured_peak, "planned": activations.peak}}
+            "activation_peak": {"measured": measured_peak, "planned": activations.peak,
+                                "unrecorded_frees": unrecorded_frees}}
 
 
 def relative_error(planned: int, measured: int) -> float:
