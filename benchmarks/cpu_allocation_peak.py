@@ -52,6 +52,7 @@ class _ReleasingWork:
         result = self._work.wait(*args, **kwargs)
         self._work = None  # a work object holds its tensors until it is destroyed
         _wait_until_released(self._tensors, self._counts)
+        self._tensors = None
         return result
 
 

@@ -62,6 +62,11 @@ LAYOUTS = {
     "pp2_dp2_zero1_recompute_full": {"pipeline_model_parallel_size": 2, "use_distributed_optimizer": True,
                                      "recompute_granularity": "full", "recompute_method": "uniform",
                                      "recompute_num_layers": 1, "global_batch_size": 16},
+    "dp4_zero2": {"data_parallel_sharding_strategy": "optim_grads", "global_batch_size": 8},
+    "dp4_zero3": {"data_parallel_sharding_strategy": "optim_grads_params", "global_batch_size": 8},
+    "pp2_dp2_zero3_small_buckets": {"pipeline_model_parallel_size": 2,
+                                    "data_parallel_sharding_strategy": "optim_grads_params", "ddp_bucket_size": 20000,
+                                    "global_batch_size": 16},
 }
 
 

@@ -7,9 +7,11 @@
 
 Model and training flags are pretrain_gpt.py's (a --model-preset, --seq-length, --micro-batch-size, --bf16, ...).
 Without layout flags every valid layout is planned (validation.py decides validity) and listed by predicted
-step time, those that do not fit marked with the GiB they are over; with layout flags (--tensor-model-parallel-size,
---pipeline-model-parallel-size, --context-parallel-size, --expert-model-parallel-size, a virtual-stage flag, a ZeRO
-or recomputation flag) that one layout is planned per pipeline stage, and refused (exit status 1) when a rank
+step time, those that do not fit marked with the GiB they are over (--pipeline-schedule and --optimizer-cpu-offload
+with --optimizer-offload-fraction, when given, hold for every layout); with layout flags
+(--tensor-model-parallel-size, --pipeline-model-parallel-size, --context-parallel-size,
+--expert-model-parallel-size, a virtual-stage flag, a ZeRO or recomputation flag)
+that one layout is planned per pipeline stage, and refused (exit status 1) when a rank
 would not fit, naming the rank and the bytes by which it is over. How each figure is predicted:
 megatron_lite/planning/.
 """
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_lite.config import build_parser, make_config  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
 from megatron_lite.planning import report  # noqa: E402
-from megatron_lite.planning.layouts import enumerate_plans, plan_layout, schedule_of  # noqa: E402
+from megatron_lite.planning.layouts import enumerate_plans, plan_layout  # noqa: E402
 from megatron_lite.planning.step_time import Hardware  # noqa: E402
 
 LAYOUT_FLAGS = {"tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
@@ -44,10 +46,12 @@ def planner_parser() -> argparse.ArgumentParser:
     parser.add_argument("--intra-node-gbps", type=float, default=200.0, help="GB/s per GPU within a node")
     parser.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU across nodes")
     parser.add_argument("--host-gbps", type=float, default=25.0, help="GB/s between a GPU and host memory")
-    parser.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe"],
-                        help="non-interleaved pipeline schedules to consider (virtual stages are interleaved 1F1B)")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe", "zb-h1"],
+                        help="non-interleaved pipeline schedules to consider when enumerating (virtual stages are "
+                             "interleaved 1F1B); --pipeline-schedule plans that one only")
     parser.add_argument("--offload-fractions", nargs="+", type=float, default=[0.0],
-                        help="shares of the optimizer state held in host memory to consider (0 to 1)")
+                        help="shares of the optimizer state held in host memory to consider when enumerating (0 to "
+                             "1); --optimizer-cpu-offload with --optimizer-offload-fraction plans that one only")
     parser.add_argument("--top", type=int, default=20, help="layouts to list (default 20; 0: all)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
@@ -69,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if LAYOUT_FLAGS & flags.keys():
             return _check_one(values, args, memory, hardware)
-        plans, refused = enumerate_plans(values, args.world_size, memory, hardware, tuple(args.schedules),
-                                         tuple(args.offload_fractions))
+        schedules = (flags["pipeline_schedule"],) if "pipeline_schedule" in flags else tuple(args.schedules)
+        fractions = (0.0,) if "optimizer_cpu_offload" in flags else tuple(args.offload_fractions)
+        plans, refused = enumerate_plans(values, args.world_size, memory, hardware, schedules, fractions)
     except UserError as error:
         print(f"plan_layout.py: error: {error}", file=sys.stderr)
         return 2
@@ -92,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 def _check_one(values: dict, args, memory: int, hardware: Hardware) -> int:
     """Plan the one layout the flags give; refuse it (status 1) when a rank does not fit."""
     config = make_config(values, args.world_size)
-    schedule = schedule_of(config, args.schedules == ["gpipe"])
-    plan = plan_layout(config, memory, hardware, schedule, args.offload_fractions[0])
+    plan = plan_layout(config, memory, hardware)
     if args.json:
         print(json.dumps(report.plan_record(plan), indent=1))
     else:

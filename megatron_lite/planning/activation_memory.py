@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from megatron_lite.config import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.pipeline.layer_split import model_chunk_plans
-from megatron_lite.planning.state_memory import FP32, param_bytes
+from megatron_lite.planning.state_memory import FP32, chunk_buckets, param_bytes
 
 INDEX = 8  # int64 token ids and labels
 
@@ -114,9 +114,51 @@ def head_bytes(config: Config) -> tuple[int, int]:
     return saved, tokens * e * vocab
 
 
+def _tied_weight_gradient(config: Config, chunks) -> int:
+    """A stage that holds both the embedding and the output layer with tied weights (one pipeline stage) uses
+    the table twice; autograd sums the two gradients before accumulating the parameter's, so the output
+    layer's [v/tp, h] gradient, made at the start of a backward, waits until the embedding's at its end."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    if m.untie_embeddings_and_output_weights or not (chunks[0].pre_process and chunks[-1].post_process):
+        return 0
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
+    return vocab * m.hidden_size * param_bytes(config)
+
+
+def _zero_buffers(config: Config, chunks) -> tuple[int, int]:
+    """(forward, backward) bytes of ZeRO-2/3's temporary buffers at the two peaks, for the chunk where they are
+    largest. ZeRO-2/3 sum a bucket's gradients in an fp32 buffer of the whole bucket from its first gradient
+    until its reduce-scatter: at the backward peak the bucket of the layer being backpropagated (taken as the
+    largest dense bucket) and every expert bucket (reduced only at the end of the backward). ZeRO-3 gathers
+    each unit's parameters around its use: the chunk's own unit (embedding, final norm, output layer) for its
+    whole forward and, since the embedding's gradient comes last, its whole backward, plus one layer (two with
+    --overlap-param-gather, which prefetches the next) in the backward."""
+    p = config.parallel
+    strategy = p.data_parallel_sharding_strategy
+    if strategy not in ("optim_grads", "optim_grads_params"):
+        return 0, 0
+    weight = param_bytes(config)
+    forward = backward = 0
+    for chunk in chunks:
+        buckets = chunk_buckets(config, chunk)
+        dense = [bucket.numel for bucket in buckets if not bucket.expert]
+        grads = FP32 * (max(dense, default=0) + sum(bucket.numel for bucket in buckets if bucket.expert))
+        gathered_forward = gathered_backward = 0
+        if strategy == "optim_grads_params":
+            units: dict[int, int] = {}
+            for bucket in buckets:
+                units[bucket.unit] = units.get(bucket.unit, 0) + bucket.numel
+            own = units.pop(-1, 0)
+            layers = sorted(units.values(), reverse=True)[:2 if p.overlap_param_gather else 1]
+            gathered_forward, gathered_backward = weight * own, weight * (own + sum(layers))
+        forward = max(forward, gathered_forward)
+        backward = max(backward, grads + gathered_backward)
+    return forward, backward
+
+
 def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> ActivationBytes:
     """Peak activation bytes of a rank of pipeline stage `pp_rank` under `schedule`
-    ("no_pipelining", "1f1b", "interleaved" or "gpipe")."""
+    ("no_pipelining", "1f1b", "interleaved", "gpipe" or "zb-h1")."""
     p, m = config.parallel, config.model
     e = param_bytes(config)
     tokens, stream = _tokens(config)
@@ -127,19 +169,20 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
         recomputed = _recomputed_layers(config, chunk.num_layers)
         layers = [layer_bytes(config, chunk.layer_offset + i) for i in range(chunk.num_layers)]
         saved = sum(size for size, again in zip(layers, recomputed) if not again)
-        saved += _unit_inputs(config, chunk.num_layers) * stream * e
+        saved += _unit_inputs(config, chunk.num_layers) * stream * e * m.hidden_size
         if m.position_embedding_type == "rope":  # each chunk's cos and sin tables, [s/cp, 1, 1, d] fp32
             saved += 2 * FP32 * (m.seq_length // p.context_parallel_size) * m.head_dim
         if chunk.pre_process:
             saved += tokens * INDEX
         elif e != FP32:  # the received bf16/fp16 input, beside the fp32 copy the first norm saves
-            saved += stream * e
+            saved += stream * e * m.hidden_size
         if not chunk.post_process:  # the output kept for the backward the next stage sends back
-            saved += stream * e
+            saved += stream * e * m.hidden_size
         chunk_saved.append(saved)
         if any(recomputed):
             unit = m.recompute_num_layers if m.recompute_method == "uniform" else 1
-            rebuild = max(rebuild, unit * max(layers))
+            # In fp32 the first norm's input is the unit's input itself, already held.
+            rebuild = max(rebuild, unit * max(layers) - (stream * e * m.hidden_size if e == FP32 else 0))
     head_saved, head_transient = head_bytes(config) if chunks[-1].post_process else (0, 0)
     per_microbatch = sum(chunk_saved) + head_saved
     v = len(chunks)
@@ -148,20 +191,26 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
     elif schedule == "interleaved":
         in_flight = min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, micro * v) / v
         head_live = 1
-    elif schedule == "1f1b":
+    elif schedule in ("1f1b", "zb-h1"):
         in_flight, head_live = min(pp - pp_rank, micro), 1
     else:
         in_flight, head_live = 1, 1
+    zero_forward, zero_backward = _zero_buffers(config, chunks)
     layers_held = in_flight * sum(chunk_saved)
-    forward_peak = layers_held + head_live * head_saved + head_transient
-    backward_peak = layers_held + (head_live - 1) * head_saved + rebuild + _mlp_gradients(config)
+    forward_peak = layers_held + head_live * head_saved + head_transient + zero_forward
+    backward_peak = (layers_held + (head_live - 1) * head_saved + rebuild + _backward_gradients(config)
+                     + _tied_weight_gradient(config, chunks) + zero_backward)
     peak = max(forward_peak, backward_peak)
     return ActivationBytes(per_microbatch, in_flight, round(peak - layers_held - head_live * head_saved), round(peak))
 
 
-def _mlp_gradients(config: Config) -> int:
-    """The gradients in flight in an MLP's backward: of fc1's output and of one ffn-wide tensor."""
+def _backward_gradients(config: Config) -> int:
+    """What a layer's backward adds at its peak, in the MLP: the residual stream's gradient, held while the
+    layer's branches are backpropagated, and the MLP's gradients less the activation they free. SwiGLU's
+    product backward holds the gradients of the product, the gate's activation and the up projection (three
+    ffn-wide tensors) once fc2's weight gradient has freed the product; a GeLU MLP the gradients of the
+    activation's output and of fc1's output once the activation's output is freed."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
-    tokens, _ = _tokens(config)
+    tokens, stream = _tokens(config)
     ffn = max(m.ffn_hidden_size, m.moe_ffn_hidden_size * m.moe_router_topk if m.num_experts else 0) // tp
-    return tokens * param_bytes(config) * ((2 if m.swiglu else 1) + 1) * ffn
+    return param_bytes(config) * (stream * m.hidden_size + tokens * (2 if m.swiglu else 1) * ffn)

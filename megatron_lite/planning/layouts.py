@@ -1,9 +1,10 @@
 """Layouts of a model on a cluster: enumerate the valid ones, predict each one's memory and step time.
 
-A layout is a set of Megatron flags (TP with sequence parallelism, CP, PP, virtual stages, EP, the ZeRO
-stage, recomputation) plus two modelled choices, the pipeline schedule and the share of the optimizer
-state offloaded to the host. Validity is decided by validation.py, through config.make_config, exactly as a
-launch with those flags would decide it; a layout is then planned per pipeline stage (stages differ: the
+A layout is a set of Megatron flags: TP with sequence parallelism, CP, PP, virtual stages, EP, the ZeRO
+stage, recomputation, --pipeline-schedule and --optimizer-cpu-offload with --optimizer-offload-fraction; a
+configuration's schedule and offloaded share are read from those flags. Validity is decided by
+validation.py, through config.make_config, exactly as a launch with those flags would decide it;
+a layout is then planned per pipeline stage (stages differ: the
 first holds the embedding and the most micro-batches in flight, the last the output layer and the loss).
 """
 
@@ -63,19 +64,24 @@ class Plan:
         return max(self.largest.total - self.memory_bytes, 0)
 
 
-def schedule_of(config: Config, gpipe: bool = False) -> str:
-    """The schedule training.get_schedule runs for this layout ("gpipe" when asked for and pipelined)."""
+def schedule_of(config: Config) -> str:
+    """The schedule training.get_schedule runs for this layout."""
     if config.parallel.pipeline_model_parallel_size == 1:
         return "no_pipelining"
     if config.virtual_pipeline_stages is not None:
         return "interleaved"
-    return "gpipe" if gpipe else "1f1b"
+    return config.parallel.pipeline_schedule
 
 
-def plan_layout(config: Config, memory_bytes: int, hardware: Hardware, schedule: str | None = None,
-                offload_fraction: float = 0.0, flags: dict | None = None) -> Plan:
+def offload_fraction_of(config: Config) -> float:
+    """The share of the optimizer state held on the host (--optimizer-cpu-offload, --optimizer-offload-fraction)."""
+    o = config.optimizer
+    return o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
+
+
+def plan_layout(config: Config, memory_bytes: int, hardware: Hardware, flags: dict | None = None) -> Plan:
     """Memory per stage and step time of a validated configuration."""
-    schedule = schedule or schedule_of(config)
+    schedule, offload_fraction = schedule_of(config), offload_fraction_of(config)
     p = config.parallel
     ranks_per_stage = p.tensor_model_parallel_size * p.context_parallel_size * p.data_parallel_size
     stages = [StagePlan(stage, stage * ranks_per_stage, stage_state_bytes(config, stage, 0, offload_fraction),
@@ -91,27 +97,31 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
 
 
 def candidate_flags(base: dict, world_size: int, gpus_per_node: int, schedules: tuple[str, ...],
-                    strategies=STRATEGIES, recompute=tuple(RECOMPUTE)):
-    """(layout flags, schedule) pairs to try: TP within a node (with sequence parallelism), CP, PP with 1, 2 or 4
-    virtual stages, EP for MoE models, every ZeRO stage and recomputation choice."""
+                    offload_fractions: tuple[float, ...] = (0.0,), strategies=STRATEGIES, recompute=tuple(RECOMPUTE)):
+    """Layout flags to try: TP within a node (with sequence parallelism), CP, PP with 1, 2 or 4 virtual stages
+    (each of `schedules` without virtual stages), EP for MoE models, every ZeRO stage and recomputation choice,
+    and each share of the optimizer state offloaded to the host (0: none)."""
     experts = base.get("num_experts") or 0
     for tp, cp, pp in itertools.product(_divisors(world_size, gpus_per_node), _divisors(world_size),
                                         _divisors(world_size)):
         if world_size % (tp * cp * pp):
             continue
         dp_cp = world_size // (tp * pp)
-        for ep, vp, strategy, recompute_name in itertools.product(
+        for ep, vp, strategy, recompute_name, fraction in itertools.product(
                 [ep for ep in _divisors(dp_cp) if experts and experts % ep == 0] or [1],
-                (1, 2, 4) if pp > 1 else (1,), strategies, recompute):
+                (1, 2, 4) if pp > 1 else (1,), strategies, recompute, offload_fractions):
             flags = {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1, "context_parallel_size": cp,
                      "pipeline_model_parallel_size": pp, "expert_model_parallel_size": ep,
                      "data_parallel_sharding_strategy": strategy, **RECOMPUTE[recompute_name]}
             if vp > 1:
                 flags["num_virtual_stages_per_pipeline_rank"] = vp
+            if fraction:
+                flags.update(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction)
+            if pp == 1 or vp > 1:
+                yield flags
+                continue
             for schedule in schedules:
-                if schedule == "gpipe" and (pp == 1 or vp > 1):
-                    continue
-                yield flags, schedule
+                yield {**flags, "pipeline_schedule": schedule}
 
 
 def enumerate_plans(base: dict, world_size: int, memory_bytes: int, hardware: Hardware,
@@ -119,14 +129,12 @@ def enumerate_plans(base: dict, world_size: int, memory_bytes: int, hardware: Ha
                     ) -> tuple[list[Plan], int]:
     """Every valid layout's plan, fastest first; and how many candidates validation refused."""
     plans, refused = [], 0
-    for flags, schedule in candidate_flags(base, world_size, hardware.gpus_per_node, schedules):
+    for flags in candidate_flags(base, world_size, hardware.gpus_per_node, schedules, offload_fractions):
         try:
             config = make_config({**base, **flags}, world_size)
         except ConfigError:
             refused += 1
             continue
-        for fraction in offload_fractions:
-            plans.append(plan_layout(config, memory_bytes, hardware, schedule_of(config, schedule == "gpipe"),
-                                     fraction, flags))
+        plans.append(plan_layout(config, memory_bytes, hardware, flags))
     plans.sort(key=lambda plan: plan.step_time.total)
     return plans, refused

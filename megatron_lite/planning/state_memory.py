@@ -134,6 +134,32 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+@dataclass(frozen=True)
+class BucketShape:
+    """One bucket of a chunk's gradient buffers, as optim/param_and_grad_buffer.py cuts it."""
+
+    real: int  # parameter elements
+    numel: int  # padded to a multiple of its data-parallel group
+    expert: bool
+    unit: int  # the ZeRO-3 unit of its parameters (-1: the chunk outside its layers)
+
+
+def chunk_buckets(config: Config, chunk: ChunkPlan) -> list[BucketShape]:
+    """The buckets of one model chunk in backward order, dense ones first."""
+    p = config.parallel
+    dense_group = p.data_parallel_size * p.context_parallel_size
+    groups = {False: dense_group, True: dense_group // p.expert_model_parallel_size}
+    params = chunk_params(config, chunk)
+    buckets = []
+    for expert in (False, True):
+        members = [param for param in params if param.expert == expert][::-1]
+        for bucket in _cut_buckets(members, p.ddp_bucket_size, p.data_parallel_sharding_strategy
+                                   == "optim_grads_params") if members else []:
+            real = sum(param.numel for param in bucket)
+            buckets.append(BucketShape(real, _round_up(real, groups[expert]), expert, bucket[0].unit))
+    return buckets
+
+
 def chunk_state_bytes(config: Config, chunk: ChunkPlan, dp_rank: int = 0, offload_fraction: float = 0.0
                       ) -> StateBytes:
     """What one model chunk costs the rank at index `dp_rank` of its dp x cp group (its index in the
@@ -145,27 +171,19 @@ def chunk_state_bytes(config: Config, chunk: ChunkPlan, dp_rank: int = 0, offloa
     masters = 0 if weight == FP32 else FP32
     dense_group = p.data_parallel_size * p.context_parallel_size
     groups = {False: dense_group, True: dense_group // p.expert_model_parallel_size}
-    params = chunk_params(config, chunk)
-    state = StateBytes(numel=sum(param.numel for param in params))
+    state = StateBytes(numel=sum(param.numel for param in chunk_params(config, chunk)))
     optimizer_elements = 0
-    for expert in (False, True):
-        members = [param for param in params if param.expert == expert][::-1]
-        if not members:
+    for bucket in chunk_buckets(config, chunk):
+        shard = bucket.numel // groups[bucket.expert]
+        rank = dp_rank // p.expert_model_parallel_size if bucket.expert else dp_rank
+        if strategy == "no_shard":
+            state.params += bucket.real * weight
+            state.grads += bucket.numel * FP32
+            optimizer_elements += bucket.real
             continue
-        size = groups[expert]
-        rank = dp_rank // p.expert_model_parallel_size if expert else dp_rank
-        for bucket in _cut_buckets(members, p.ddp_bucket_size, strategy == "optim_grads_params"):
-            real = sum(param.numel for param in bucket)
-            numel = _round_up(real, size)
-            shard = numel // size
-            if strategy == "no_shard":
-                state.params += real * weight
-                state.grads += numel * FP32
-                optimizer_elements += real
-                continue
-            state.params += (shard if strategy == "optim_grads_params" else numel) * weight
-            state.grads += (numel if strategy == "optim" else shard) * FP32
-            optimizer_elements += min(max(real - rank * shard, 0), shard)
+        state.params += (shard if strategy == "optim_grads_params" else bucket.numel) * weight
+        state.grads += (bucket.numel if strategy == "optim" else shard) * FP32
+        optimizer_elements += min(max(bucket.real - rank * shard, 0), shard)
     optimizer = optimizer_elements * (masters + 2 * FP32)
     state.optimizer_on_host = round(optimizer * offload_fraction)
     state.optimizer = optimizer - state.optimizer_on_host

@@ -5,7 +5,8 @@ hide communication). Per rank and step, with m micro-batches of t local tokens:
 
   compute     model FLOPs (logging.training_flops_per_token, matrix multiplies) of the rank's share of the
               global batch, plus the forward again for fully recomputed layers, at `tflops`
-  bubble      compute x (P - 1) / m for 1F1B and GPipe, (P - 1) / (v m) interleaved
+  bubble      compute x (P - 1) / m for 1F1B and GPipe, (P - 1) / (v m) interleaved, a third of 1F1B's for
+              ZB-H1 (its weight-gradient passes fill two thirds of the idle time)
   tensor par. 4 all-reduces (or all-gather + reduce-scatter with SP, the same bytes) of t h e per layer and
               micro-batch, 2 (tp - 1) / tp of them over the link (6 with full recomputation)
   context     K/V around the ring: 3 (cp - 1) steps of the rank's K and V per layer and micro-batch
@@ -79,6 +80,8 @@ def predict_step_time(config: Config, schedule: str, state: StateBytes, hardware
         flops *= 1 + 1 / 3  # the forward of every layer again (head and embedding are a small share)
     compute = flops / (hardware.tflops * 1e12)
     bubble_share = (pp - 1) / (micro * (v if schedule == "interleaved" else 1)) if pp > 1 else 0.0
+    if schedule == "zb-h1":
+        bubble_share /= 3
     tp_collectives = 6 if m.recompute_granularity == "full" else 4
     tensor_parallel = (layers * micro * tp_collectives * tokens * m.hidden_size * e * 2 * (tp - 1) / tp
                        / _bandwidth(hardware, tp)) if tp > 1 else 0.0
