@@ -20,15 +20,23 @@ Norms see s/tp tokens under sequence parallelism; everything else s (the local s
 Each chunk keeps its RoPE cos and sin tables. The last stage adds the final norm, the output layer's input e
 h, the loss's fp32 softmax 4 v / tp and per-token loss values; while the loss is computed the e v / tp logits
 coexist with it. Full recomputation keeps only each recomputed unit's input (e h on s/tp tokens) and rebuilds
-one unit's activations in backward; selective recomputation drops the attention's log-sum-exp (the other
-tensors it would free are saved by the neighbouring layers anyway).
+one unit's activations in backward (in fp32 the first norm's input is that unit input itself); selective
+recomputation drops the attention's log-sum-exp (the other tensors it would free are saved by the
+neighbouring layers anyway). A stage other than the first keeps its received input (bf16/fp16: beside the
+first norm's fp32 copy), one other than the last its output, until the micro-batch's backward.
 
-In flight: no pipelining 1 micro-batch; 1F1B min(P - p, m) on stage p; GPipe m; interleaved 1F1B
+In flight: no pipelining 1 micro-batch; 1F1B and ZB-H1 min(P - p, m) on stage p; GPipe m; interleaved 1F1B
 min(2 (P - p - 1) + (v - 1) P + 1, m v) chunk micro-batches of L / (P v) layers each (schedules.py's
-warm-up counts plus the one in its steady state). The loss's tensors are live for one micro-batch at a
-time (GPipe: m). The peak is the larger of the forward's (everything held, plus the logits beside the loss)
-and the backward's (the loss's tensors of the micro-batch being backpropagated freed; a recomputed unit
-rebuilt and the MLP's gradients, of fc1's output and one ffn-wide tensor, in flight).
+warm-up counts plus the one in its steady state). ZB-H1 also keeps, for micro-batches whose input gradient
+has run and whose weight gradients wait, the inputs of their linears (benchmarks/pipeline_bubble.py counts
+up to P such micro-batches on later stages); those are not counted. The loss's tensors are live for one
+micro-batch at a time (GPipe: m). The peak is the larger of the forward's (everything held, plus the logits
+beside the loss) and the backward's, measured inside the MLP backward of the stage's last layer: the loss's
+tensors of the micro-batch being backpropagated freed; a recomputed unit rebuilt; the residual stream's
+gradient, the MLP's gradients less the activation they free (_backward_gradients); on a single stage with
+tied embeddings the output layer's weight gradient, which waits for the embedding's. ZeRO-2/3 add their
+temporary buffers (_zero_buffers): a bucket's fp32 gradients while it fills, and under ZeRO-3 the gathered
+parameters of the chunk's own unit and of the layer in use.
 """
 
 from __future__ import annotations
