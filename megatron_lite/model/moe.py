@@ -21,7 +21,9 @@ than on the T k h expert outputs that Megatron reduce-scatters before its revers
 
 Experts have no biases; the local experts run as one grouped GEMM (moe_experts.py). A shared expert
 (--moe-shared-expert-intermediate-size) runs on the same tokens inside the region, so its partial sum over
-TP joins the routed experts' before the one all-reduce.
+TP joins the routed experts' before the one all-reduce. Megatron's --moe-shared-expert-overlap runs the
+shared expert on a side stream while the all-to-all is in flight; the collectives here block (gloo, and
+NCCL on the compute stream), so there is nothing to overlap and the flag is not offered.
 
 Aux-loss-free balancing (--moe-router-enable-expert-bias, DeepSeek-V3): after each iteration,
 `update_expert_biases` sums every MoE layer's tokens per expert over all ranks and moves each expert's
