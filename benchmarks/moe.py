@@ -6,7 +6,8 @@ routing, permutation and the grouped expert GEMMs. On one process: mixtral-tiny 
 fine-grained MoE of 16 experts, top-4, each a quarter of mixtral-tiny's expert width (DeepSeek / Qwen3-MoE
 style), each against its dense peer; and the host reads of values of device tensors (`.item()`, `.tolist()`,
 ...; each a synchronisation on a GPU, counted on the CPU by megatron_lite/host_reads.py) in one training step,
-against the dense peer's, which reads once (the loss and gradient norm). Then, on 2 gloo ranks (DP 2):
+against the dense peer's, which reads once (the loss and gradient norm); and the fine-grained experts' compute
+alone through each kernel (grouped GEMM, padded bmm, a matmul per expert). Then, on 2 gloo ranks (DP 2):
 mixtral-tiny with EP 2 (alltoall and allgather dispatchers) and EP 1 (every expert on every rank), and the
 dense peer; for each, tokens/s, host reads per step, and the bytes each rank sends to the other per training
 step through the expert-parallel collectives, counted at parallel/mappings.py, next to the expected alltoall
@@ -29,6 +30,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ from benchmarks.results_file import record_result
 from megatron_lite import training
 from megatron_lite.config import make_config
 from megatron_lite.host_reads import counted_device_reads
+from megatron_lite.model import moe_experts
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.parallel import mappings
 
@@ -166,6 +169,41 @@ def expected_alltoall_bytes(config_values: dict, ep: int) -> float:
     return 2 * 2 * moe_layers * tokens * m.moe_router_topk * m.hidden_size * 4 * (ep - 1) / ep
 
 
+def expert_kernels_ms(device: str, repeats: int = 20) -> dict:
+    """Forward + backward of the fine-grained MoE's experts on one micro-batch (micro-batch x seq x k rows,
+    spread over 16 experts by a random routing), fc1 and fc2, in ms (median): torch._grouped_mm, the
+    padded bmm, and one matmul per expert (what the layer did before the grouped GEMM)."""
+    m = make_config({**RUN, **FINE_GRAINED}).model
+    generator = torch.Generator().manual_seed(0)
+    rows = RUN["micro_batch_size"] * m.seq_length * m.moe_router_topk
+    experts = torch.randint(0, m.num_experts, (rows,), generator=generator).sort().values
+    counts = torch.bincount(experts, minlength=m.num_experts).to(device)
+    x = torch.randn(rows, m.hidden_size, generator=generator).to(device).requires_grad_()
+    fc1 = torch.randn(m.num_experts, 2 * m.moe_ffn_hidden_size, m.hidden_size, generator=generator)
+    fc2 = torch.randn(m.num_experts, m.hidden_size, m.moe_ffn_hidden_size, generator=generator)
+    fc1, fc2 = fc1.to(device).requires_grad_(), fc2.to(device).requires_grad_()
+    sizes = counts.tolist()
+
+    def loop(inputs, weight, _):
+        return torch.cat([chunk @ w.t() for chunk, w in zip(inputs.split(sizes), weight)])
+
+    kernels = {"padded_bmm": moe_experts.padded_grouped_linear, "per_expert_loop": loop}
+    if moe_experts.grouped_mm_applies(x, fc1):
+        kernels = {"grouped_mm": moe_experts.grouped_linear, **kernels}
+    times = {}
+    for name, linear in kernels.items():
+        samples = []
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            linear(torch.nn.functional.silu(linear(x, fc1, counts)[:, :m.moe_ffn_hidden_size]), fc2,
+                   counts).square().sum().backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - start)
+        times[name] = 1000 * statistics.median(samples[2:])
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
@@ -189,6 +227,10 @@ def main() -> None:
               f"host reads/step | dense peer {one[dense]['tokens_per_sec']:,.0f} tokens/s, "
               f"{one[dense]['host_reads_per_step']} host reads/step | ratio MoE / dense {ratio:.3f}")
 
+    kernels = expert_kernels_ms("cuda" if args.device == "cuda" else "cpu")
+    print("fine-grained experts, forward + backward of one micro-batch: "
+          + ", ".join(f"{name} {ms:.2f} ms" for name, ms in kernels.items()))
+
     two = {**RUN, "global_batch_size": 16, "device": "cpu"}
     runs = {"ep2_alltoall": {**two, "expert_model_parallel_size": 2},
             "ep2_allgather": {**two, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
@@ -207,7 +249,8 @@ def main() -> None:
         "steps": args.steps, "rounds": args.rounds, "device": args.device, "micro_batch_size": RUN["micro_batch_size"],
         "load_average_before_after": load,
         "one_process": {"global_batch_size": 8, **one, "ratio_moe_over_dense": one_ratio,
-                        "fine_grained": FINE_GRAINED, "ratio_fine_grained_over_dense": fine_ratio},
+                        "fine_grained": FINE_GRAINED, "ratio_fine_grained_over_dense": fine_ratio,
+                        "fine_grained_expert_kernels_ms": kernels},
         "two_ranks": {"global_batch_size": 16, **ranks, "expected_alltoall_bytes_per_step": expected},
     }, sys.argv)
 
