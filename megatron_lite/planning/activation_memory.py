@@ -25,18 +25,18 @@ recomputation drops the attention's log-sum-exp (the other tensors it would free
 neighbouring layers anyway). A stage other than the first keeps its received input (bf16/fp16: beside the
 first norm's fp32 copy), one other than the last its output, until the micro-batch's backward.
 
-In flight: no pipelining 1 micro-batch; 1F1B and ZB-H1 min(P - p, m) on stage p; GPipe m; interleaved 1F1B
-min(2 (P - p - 1) + (v - 1) P + 1, m v) chunk micro-batches of L / (P v) layers each (schedules.py's
-warm-up counts plus the one in its steady state). ZB-H1 also keeps, for micro-batches whose input gradient
-has run and whose weight gradients wait, the inputs of their linears (benchmarks/pipeline_bubble.py counts
-up to P such micro-batches on later stages); those are not counted. The loss's tensors are live for one
+In flight: no pipelining 1 micro-batch; 1F1B min(P - p, m) on stage p; GPipe m; interleaved 1F1B min(2 (P - p
+- 1) + (v - 1) P + 1, m v) chunk micro-batches of L / (P v) layers each (schedules.py's warm-up counts plus
+the one in its steady state); ZB-H1 min(P, m) on every stage: a micro-batch's graph, with everything it saved,
+lives until its weight-gradient pass (pipeline/split_backward.py), and up to P micro-batches wait for theirs
+(the schedule's bound, tests/test_pipeline_schedule_choice.py). The loss's tensors are live for one
 micro-batch at a time (GPipe: m). The peak is the larger of the forward's (everything held, plus the logits
 beside the loss) and the backward's, measured inside the MLP backward of the stage's last layer: the loss's
 tensors of the micro-batch being backpropagated freed; a recomputed unit rebuilt; the residual stream's
-gradient, the MLP's gradients less the activation they free (_backward_gradients); on a single stage with
-tied embeddings the output layer's weight gradient, which waits for the embedding's. ZeRO-2/3 add their
-temporary buffers (_zero_buffers): a bucket's fp32 gradients while it fills, and under ZeRO-3 the gathered
-parameters of the chunk's own unit and of the layer in use.
+gradient, the MLP's gradients less the activation they free (_backward_gradients); on a single stage with tied
+embeddings the output layer's weight gradient, which waits for the embedding's. ZeRO-2/3 add their temporary
+buffers (_zero_buffers): a bucket's fp32 gradients while it fills, and under ZeRO-3 the gathered parameters of
+the chunk's own unit and of the layer in use.
 """
 
 from __future__ import annotations
@@ -199,8 +199,10 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
     elif schedule == "interleaved":
         in_flight = min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, micro * v) / v
         head_live = 1
-    elif schedule in ("1f1b", "zb-h1"):
+    elif schedule == "1f1b":
         in_flight, head_live = min(pp - pp_rank, micro), 1
+    elif schedule == "zb-h1":
+        in_flight, head_live = min(pp, micro), 1
     else:
         in_flight, head_live = 1, 1
     zero_forward, zero_backward = _zero_buffers(config, chunks)
