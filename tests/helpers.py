@@ -270,3 +270,94 @@ def assert_sends_pair_with_receives(results: list[dict], pp: int, v: int, m: int
     per_pass = m * (pp * v - 1)  # hand-overs between consecutive virtual stages
     assert sum(n for key, n in sends.items() if key[2] == "activation") == 2 * per_pass  # evaluation + training
     assert sum(n for key, n in sends.items() if key[2] == "gradient") == per_pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hugging Face models of every supported family, small and random, converted once per test session
+
+HF_VOCAB = 300
+HF_FAMILIES = ["llama", "llama_tied", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe",
+               "qwen2_moe"]
+# Scaled wavelengths from those below 64 / 4 (kept) through the band to 64 (interpolated) and above (divided)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def hf_config(family: str):
+    """A small random configuration of `family`. transformers is imported here, not at the top: the spawned
+    ranks import this module for `_tp2_pp2` and need none of it."""
+    import transformers
+
+    common = {"vocab_size": HF_VOCAB, "bos_token_id": 0, "eos_token_id": HF_VOCAB - 1}
+    llama = {"hidden_size": 64, "num_hidden_layers": 2, "max_position_embeddings": 64, **common}
+    return {
+        "llama": lambda: transformers.LlamaConfig(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                                  rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                                  **llama),
+        "llama_tied": lambda: transformers.LlamaConfig(intermediate_size=128, num_attention_heads=8,
+                                                       num_key_value_heads=2, tie_word_embeddings=True, **llama),
+        "llama_rope_scaling": lambda: transformers.LlamaConfig(intermediate_size=96, num_attention_heads=4,
+                                                               num_key_value_heads=2, rope_parameters=LLAMA3_ROPE,
+                                                               tie_word_embeddings=False, **llama),
+        "qwen2": lambda: transformers.Qwen2Config(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                                  tie_word_embeddings=True, **llama),
+        "qwen3": lambda: transformers.Qwen3Config(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=32, tie_word_embeddings=False, **llama),
+        "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                                embd_pdrop=0.0, attn_pdrop=0.0, **common),
+        "mixtral": lambda: transformers.MixtralConfig(intermediate_size=64, num_attention_heads=4,
+                                                      num_key_value_heads=2, num_local_experts=4,
+                                                      num_experts_per_tok=2, **llama),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(  # softmax, top-k renormalized
+            intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False, **llama),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(  # softmax over all experts, a gated shared expert
+            intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+            tie_word_embeddings=False, **llama),
+    }[family]()
+
+
+def word_level_tokenizer():
+    """A tokenizer.json whose token i is "w<i>" (the last one the end of text), so prompts are readable."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(HF_VOCAB - 1)} | {"</s>": HF_VOCAB - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer
+
+
+def convert(*argv: str) -> None:
+    from tools import convert_checkpoint
+
+    convert_checkpoint.main(list(argv))
+
+
+def hf_models(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """{family: (HF directory, converted megatron_lite directory)}, built once per test session (the llama
+    directory also carries a tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.getbasetemp() / "hf_models"
+    dirs = {family: (str(root / family / "hf"), str(root / family / "mlite")) for family in HF_FAMILIES}
+    if not (root / "done").exists():
+        for index, (family, (hf_dir, mlite_dir)) in enumerate(dirs.items()):
+            torch.manual_seed(index)
+            model = AutoModelForCausalLM.from_config(hf_config(family))
+            if family.startswith("qwen"):
+                perturb_biases_and_norms(model)
+            model.save_pretrained(hf_dir)
+            if family == "llama":
+                word_level_tokenizer().save(os.path.join(hf_dir, "tokenizer.json"))
+            convert("--direction", "hf-to-mlite", "--load-dir", hf_dir, "--save-dir", mlite_dir)
+        (root / "done").touch()
+    return dirs
+
+
+@torch.no_grad()
+def perturb_biases_and_norms(model) -> None:
+    """transformers initializes biases to zero and norm weights to one: make them random, so that they count."""
+    for name, param in model.named_parameters():
+        if name.endswith(("bias", "norm.weight")):
+            param.add_(0.1 * torch.randn_like(param))

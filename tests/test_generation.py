@@ -9,11 +9,11 @@ from megatron_lite.generation import InferenceParams, SamplingParams, generate, 
 from megatron_lite.hf.checkpoint import resolve_checkpoint
 from megatron_lite.parallel.state import Layout, ParallelState
 from tests.harness import run_on_ranks
-from tests.test_hf_conversion import FAMILIES, VOCAB, hf_models
+from tests.helpers import HF_FAMILIES, HF_VOCAB, hf_models
 from tests.tolerances import assert_close_relative
 from tools import generate as generate_tool
 
-PROMPT = torch.randint(0, VOCAB - 1, (2, 6), generator=torch.Generator().manual_seed(5))
+PROMPT = torch.randint(0, HF_VOCAB - 1, (2, 6), generator=torch.Generator().manual_seed(5))
 NEW_TOKENS = 16
 
 
@@ -37,7 +37,7 @@ def our_model(mlite_dir: str, pstate=None):
     return load_model(resolve_checkpoint(mlite_dir), pstate)[0]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HF_FAMILIES)
 def test_greedy_generation_equals_transformers_generate(converted, family):
     hf_dir, mlite_dir = converted[family]
     ours = generate(our_model(mlite_dir), PROMPT, NEW_TOKENS, SamplingParams(greedy=True))
@@ -48,12 +48,13 @@ def test_greedy_generation_equals_transformers_generate(converted, family):
 def test_kv_cache_decoding_equals_full_forward(converted, family):
     """Prompt in one pass, then 3 tokens at once (queries after an offset), then one at a time."""
     model = our_model(converted[family][1])
-    tokens = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(6))
+    tokens = torch.randint(0, HF_VOCAB, (2, 14), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        full = model(tokens, torch.arange(14))[..., :VOCAB]
+        full = model(tokens, torch.arange(14))[..., :HF_VOCAB]
         params, pieces = InferenceParams(14), []
         for start, end in [(0, 6), (6, 9)] + [(i, i + 1) for i in range(9, 14)]:
-            pieces.append(model(tokens[:, start:end], torch.arange(start, end), inference_params=params)[..., :VOCAB])
+            logits = model(tokens[:, start:end], torch.arange(start, end), inference_params=params)
+            pieces.append(logits[..., :HF_VOCAB])
             params.sequence_len_offset = end
     assert_close_relative(torch.cat(pieces, dim=1), full, rel=1e-5)
 
@@ -137,7 +138,7 @@ def test_generate_tool_text_prompt_uses_the_checkpoint_tokenizer(converted, caps
     lines = run_tool(capsys, "--load", mlite_dir, "--prompt", "w5 w17 w3", "--max-new-tokens", "6", "--ignore-eos",
                      "--output-ids")
     expected = generate(our_model(mlite_dir), torch.tensor([[5, 17, 3]]), 6, SamplingParams())[0].tolist()
-    assert lines == [" ".join(["w5", "w17", "w3"] + [f"w{i}" if i < VOCAB - 1 else "</s>" for i in expected]),
+    assert lines == [" ".join(["w5", "w17", "w3"] + [f"w{i}" if i < HF_VOCAB - 1 else "</s>" for i in expected]),
                      " ".join(map(str, expected))]
 
 
@@ -146,7 +147,7 @@ def test_generate_tool_bad_input_is_one_line(converted, capsys):
     with pytest.raises(SystemExit) as exit_:
         generate_tool.main(["--load", mlite_dir, "--prompt-ids", "1 2", "--greedy", "--top-k", "3"])
     assert exit_.value.code == 2 and "--greedy cannot be combined" in capsys.readouterr().err
-    for argv, expected in ((["--prompt", "hello"], "has no tokenizer"), (["--prompt-ids", f"1 {VOCAB}"], "[0, 300)"),
+    for argv, expected in ((["--prompt", "hello"], "has no tokenizer"), (["--prompt-ids", f"1 {HF_VOCAB}"], "[0, 300)"),
                            (["--prompt-ids", "1", "--max-new-tokens", "100"], "max-position-embeddings (64)")):
         with pytest.raises(SystemExit) as exit_:
             generate_tool.main(["--load", mlite_dir, *argv])

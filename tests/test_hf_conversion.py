@@ -15,7 +15,6 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 import pretrain_gpt
 from megatron_lite.checkpoint.checkpointing import Checkpointer, read_checkpoint_tensors
@@ -26,63 +25,14 @@ from megatron_lite.hf.checkpoint import resolve_checkpoint
 from megatron_lite.model.gpt import gather_vocab_logits
 from megatron_lite.training import build_model, get_schedule, initialize, pretrain
 from tests.harness import run_on_ranks
+from tests.helpers import HF_FAMILIES, HF_VOCAB, convert, hf_models
 from tests.tolerances import assert_close_relative
-from tools import convert_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-VOCAB, SEQ = 300, 32
+SEQ = 32
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = ["llama", "llama_tied", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe"]
 MOE_FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe"]
-# Scaled wavelengths from those below 64 / 4 (kept) through the band to 64 (interpolated) and above (divided)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-
-
-def hf_config(family: str):
-    """A small random configuration of `family`. transformers is imported here, not at the top: the spawned
-    ranks import this module for `_tp2_pp2` and need none of it."""
-    import transformers
-
-    common = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": VOCAB - 1}
-    llama = {"hidden_size": 64, "num_hidden_layers": 2, "max_position_embeddings": 64, **common}
-    return {
-        "llama": lambda: transformers.LlamaConfig(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                                                  rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                                  **llama),
-        "llama_tied": lambda: transformers.LlamaConfig(intermediate_size=128, num_attention_heads=8,
-                                                       num_key_value_heads=2, tie_word_embeddings=True, **llama),
-        "llama_rope_scaling": lambda: transformers.LlamaConfig(intermediate_size=96, num_attention_heads=4,
-                                                               num_key_value_heads=2, rope_parameters=LLAMA3_ROPE,
-                                                               tie_word_embeddings=False, **llama),
-        "qwen2": lambda: transformers.Qwen2Config(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                                                  tie_word_embeddings=True, **llama),
-        "qwen3": lambda: transformers.Qwen3Config(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                                                  head_dim=32, tie_word_embeddings=False, **llama),
-        "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                                                embd_pdrop=0.0, attn_pdrop=0.0, **common),
-        "mixtral": lambda: transformers.MixtralConfig(intermediate_size=64, num_attention_heads=4,
-                                                      num_key_value_heads=2, num_local_experts=4,
-                                                      num_experts_per_tok=2, **llama),
-        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(  # softmax, top-k renormalized
-            intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False, **llama),
-        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(  # softmax over all experts, a gated shared expert
-            intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_attention_heads=4,
-            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
-            tie_word_embeddings=False, **llama),
-    }[family]()
-
-
-def word_level_tokenizer() -> Tokenizer:
-    """A tokenizer.json whose token i is "w<i>" (the last one the end of text), so prompts are readable."""
-    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"</s>": VOCAB - 1}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tokenizer
-
-
 def read_text(path) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read()
@@ -97,39 +47,6 @@ def edit_json(path, change) -> None:
     change(content)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(content, f)
-
-
-def convert(*argv: str) -> None:
-    convert_checkpoint.main(list(argv))
-
-
-def hf_models(tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """{family: (HF directory, converted megatron_lite directory)}, built once per test session (the llama
-    directory also carries a tokenizer)."""
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.getbasetemp() / "hf_models"
-    dirs = {family: (str(root / family / "hf"), str(root / family / "mlite")) for family in FAMILIES}
-    if not (root / "done").exists():
-        for index, (family, (hf_dir, mlite_dir)) in enumerate(dirs.items()):
-            torch.manual_seed(index)
-            model = AutoModelForCausalLM.from_config(hf_config(family))
-            if family.startswith("qwen"):
-                perturb_biases_and_norms(model)
-            model.save_pretrained(hf_dir)
-            if family == "llama":
-                word_level_tokenizer().save(os.path.join(hf_dir, "tokenizer.json"))
-            convert("--direction", "hf-to-mlite", "--load-dir", hf_dir, "--save-dir", mlite_dir)
-        (root / "done").touch()
-    return dirs
-
-
-@torch.no_grad()
-def perturb_biases_and_norms(model) -> None:
-    """transformers initializes biases to zero and norm weights to one: make them random, so that they count."""
-    for name, param in model.named_parameters():
-        if name.endswith(("bias", "norm.weight")):
-            param.add_(0.1 * torch.randn_like(param))
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +80,10 @@ def one_line_error(*argv: str) -> str:
 # Parity
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HF_FAMILIES)
 def test_converted_model_logits_equal_transformers(converted, family):
     hf_dir, mlite_dir = converted[family]
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, HF_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     assert_close_relative(our_logits(mlite_dir, ids), hf_logits(hf_dir, ids), rel=1e-5)
 
 
@@ -188,7 +105,7 @@ def _forward_logits(config, model, pstate, ids: torch.Tensor):
 
     def forward_step(data_iterator, chunk):
         def loss_func(logits):
-            return torch.zeros(()), torch.ones(()), {"logits": gather_vocab_logits(logits, pstate, VOCAB)}
+            return torch.zeros(()), torch.ones(()), {"logits": gather_vocab_logits(logits, pstate, HF_VOCAB)}
         return chunk(ids, positions), loss_func
 
     with torch.no_grad():
@@ -218,18 +135,18 @@ def _tp2_pp2(cases: dict, ids: torch.Tensor) -> dict:
 
 
 def test_converted_checkpoints_load_at_tp2_pp2_with_transformers_logits_and_loss(converted):
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, HF_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
     cases = {}
     for family, (_, mlite_dir) in converted.items():
         flags = yaml.safe_load(read_text(os.path.join(mlite_dir, "model.yaml")))
         cases[family] = (mlite_dir, {k: v for k, v in flags.items() if not k.startswith("tokenizer_")})  # mock data
     last_stage = run_on_ranks(4, _tp2_pp2, cases, ids)[-1]
-    dataset = MockGPTDataset(2, SEQ, VOCAB, 1234)
+    dataset = MockGPTDataset(2, SEQ, HF_VOCAB, 1234)
     samples = torch.stack([torch.as_tensor(dataset[i]) for i in range(2)])  # the first global batch
     for family, (hf_dir, _) in converted.items():
         logits, first_loss = last_stage[family]
         assert_close_relative(logits, hf_logits(hf_dir, ids), rel=1e-4, msg=family)
-        reference = torch.nn.functional.cross_entropy(hf_logits(hf_dir, samples[:, :-1]).reshape(-1, VOCAB),
+        reference = torch.nn.functional.cross_entropy(hf_logits(hf_dir, samples[:, :-1]).reshape(-1, HF_VOCAB),
                                                       samples[:, 1:].reshape(-1))
         assert first_loss == pytest.approx(reference.item(), rel=1e-5), family
 
@@ -259,7 +176,7 @@ def test_converted_moe_checkpoints_at_ep2_tp2_give_transformers_logits_and_greed
     prompts through its share of the experts."""
     from transformers import AutoModelForCausalLM
 
-    ids = torch.randint(0, VOCAB, (2, SEQ - 8), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, HF_VOCAB, (2, SEQ - 8), generator=torch.Generator().manual_seed(5))
     cases = {family: (converted[family][1], yaml.safe_load(read_text(os.path.join(converted[family][1], "model.yaml"))))
              for family in MOE_FAMILIES}
     per_rank = run_on_ranks(4, _ep2_tp2, cases, ids, 8)
@@ -276,7 +193,7 @@ def test_converted_moe_checkpoints_at_ep2_tp2_give_transformers_logits_and_greed
             assert torch.equal(greedy, tokens[:, ids.shape[1]:]), f"{family} rank {rank}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HF_FAMILIES)
 def test_hf_to_mlite_to_hf_is_tensor_identical(converted, family, tmp_path):
     hf_dir, mlite_dir = converted[family]
     convert("--direction", "mlite-to-hf", "--load-dir", mlite_dir, "--save-dir", str(tmp_path / "back"))
@@ -299,7 +216,7 @@ def test_sharded_export_loads_in_transformers_and_converts_back(converted, tmp_p
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and all(os.path.getsize(tmp_path / "hf" / f) < 100_000 + 64 * 300 * 4 for f in files)
     assert os.path.exists(tmp_path / "hf/tokenizer.json")
-    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, HF_VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(hf_logits(str(tmp_path / "hf"), ids), hf_logits(hf_dir, ids), rtol=0, atol=0)
     convert("--direction", "hf-to-mlite", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "again"))
     first = read_checkpoint_tensors(resolve_checkpoint(mlite_dir))
@@ -322,7 +239,7 @@ OURS = {
 
 @pytest.mark.parametrize("family", list(OURS))
 def test_trained_checkpoint_exports_to_transformers_with_our_logits(family, tmp_path):
-    config = make_config({**OURS[family], "mock_data": True, "vocab_size": VOCAB, "num_layers": 2, "hidden_size": 64,
+    config = make_config({**OURS[family], "mock_data": True, "vocab_size": HF_VOCAB, "num_layers": 2, "hidden_size": 64,
                           "num_attention_heads": 4, "num_query_groups": 2, "seq_length": SEQ,
                           "max_position_embeddings": SEQ, "train_iters": 2, "global_batch_size": 2, "lr": 1e-2,
                           "save": str(tmp_path / "run"), "log_interval": 1000, "eval_interval": 1000, "device": "cpu"})
@@ -334,7 +251,7 @@ def test_trained_checkpoint_exports_to_transformers_with_our_logits(family, tmp_
     assert exported["model_type"] == family and (exported["bos_token_id"], exported["eos_token_id"]) == (5, 6)
     if family == "llama":  # tied embeddings: no lm_head, as save_pretrained writes them
         assert exported["tie_word_embeddings"] and "lm_head.weight" not in load_file(tmp_path / "hf/model.safetensors")
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, HF_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
     assert_close_relative(hf_logits(str(tmp_path / "hf"), ids), our_logits(str(tmp_path / "run"), ids), rel=1e-4)
 
 
