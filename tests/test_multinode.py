@@ -89,17 +89,23 @@ def _children(pid: int) -> list[int]:
     return sorted(children)
 
 
+def _worker_rank(pid: int) -> int | None:
+    """The RANK torchrun gave worker `pid`, or None while it is still its launcher's forked copy: until it execs,
+    a worker has the launcher's command line (which names pretrain_gpt.py too) and environment (no RANK)."""
+    with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/environ", "rb") as f:
+        variables = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        return int(variables[b"RANK"]) if b"RANK" in variables else None
+    return None
+
+
 def _is_training_process(pid: int) -> bool:
-    """Whether `pid` runs pretrain_gpt.py yet: a forked worker is its launcher's copy until it execs."""
-    with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/cmdline", "rb") as f:
-        return b"pretrain_gpt.py" in f.read()
-    return False
+    return _worker_rank(pid) is not None
 
 
 def _rank_of(pid: int) -> int:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        variables = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    return int(variables[b"RANK"])
+    rank = _worker_rank(pid)
+    assert rank is not None, f"process {pid} is not a torchrun worker yet"
+    return rank
 
 
 def _alive(pid: int) -> bool:
