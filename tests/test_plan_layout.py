@@ -116,3 +116,17 @@ def test_the_schedule_and_the_offloaded_share_are_read_from_the_flags(capsys):
     for stage in record["stages"]:
         on_device, on_host = stage["optimizer_bytes"], stage["optimizer_host_bytes"]
         assert on_host == round((on_device + on_host) * 0.25) > 0
+
+
+def test_a_given_schedule_applies_to_pipelined_layouts_only_and_a_flag_every_layout_breaks_is_named(capsys):
+    flags = ["--model-preset", "llama-tiny", "--world-size", "4", "--global-batch-size", "8", "--top", "0", "--json"]
+    names = {}
+    for schedule in ("1f1b", "gpipe"):
+        assert plan_layout.main([*flags, "--pipeline-schedule", schedule]) == 0
+        names[schedule] = [layout["layout"].replace(" gpipe", " 1f1b")
+                           for layout in json.loads(capsys.readouterr().out)["layouts"]]
+    assert sorted(names["gpipe"]) == sorted(names["1f1b"])
+    assert any(" pp1 " in name for name in names["gpipe"]) and any(" vp2 " in name for name in names["gpipe"])
+    assert plan_layout.main([*flags, "--optimizer-offload-fraction", "0.5"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "plan_layout.py: error: --optimizer-offload-fraction 0.5 needs --optimizer-cpu-offload")

@@ -7,8 +7,10 @@
 
 Model and training flags are pretrain_gpt.py's (a --model-preset, --seq-length, --micro-batch-size, --bf16, ...).
 Without layout flags every valid layout is planned (validation.py decides validity) and listed by predicted
-step time, those that do not fit marked with the GiB they are over (--pipeline-schedule and --optimizer-cpu-offload
-with --optimizer-offload-fraction, when given, hold for every layout); with layout flags
+step time, those that do not fit marked with the GiB they are over (--pipeline-schedule, when given, is the one
+schedule tried for pipelined layouts without virtual stages, the others keeping no pipelining or interleaved
+1F1B; --optimizer-cpu-offload with --optimizer-offload-fraction holds for every layout; when validation refuses
+every layout its message is printed and the exit status is 2); with layout flags
 (--tensor-model-parallel-size, --pipeline-model-parallel-size, --context-parallel-size,
 --expert-model-parallel-size, a virtual-stage flag, a ZeRO or recomputation flag)
 that one layout is planned per pipeline stage, and refused (exit status 1) when a rank
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -73,25 +76,44 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if LAYOUT_FLAGS & flags.keys():
             return _check_one(values, args, memory, hardware)
-        schedules = (flags["pipeline_schedule"],) if "pipeline_schedule" in flags else tuple(args.schedules)
-        fractions = (0.0,) if "optimizer_cpu_offload" in flags else tuple(args.offload_fractions)
+        schedules = tuple(args.schedules)
+        if "pipeline_schedule" in flags:  # candidates without a non-interleaved pipeline keep theirs
+            schedules = (values.pop("pipeline_schedule"),)
+        fractions = tuple(args.offload_fractions)
+        if values.pop("optimizer_cpu_offload", False):
+            fractions = (values.pop("optimizer_offload_fraction", 1.0),)
         plans, refused = enumerate_plans(values, args.world_size, memory, hardware, schedules, fractions)
     except UserError as error:
         print(f"plan_layout.py: error: {error}", file=sys.stderr)
         return 2
+    if not plans:
+        print(f"plan_layout.py: error: {_refusal_of_all(refused)}", file=sys.stderr)
+        return 2
     top = args.top or None
     if args.json:
-        print(json.dumps({"world_size": args.world_size, "gpu_memory_bytes": memory, "refused_by_validation": refused,
+        print(json.dumps({"world_size": args.world_size, "gpu_memory_bytes": memory,
+                          "refused_by_validation": refused.total(),
                           "layouts": [report.plan_record(plan) for plan in plans[:top]]}, indent=1))
         return 0
     fitting = [plan for plan in plans if plan.fits]
-    print(f"{len(plans)} valid layouts ({refused} refused by validation), {len(fitting)} fit in "
+    print(f"{len(plans)} valid layouts ({refused.total()} refused by validation), {len(fitting)} fit in "
           f"{args.gpu_memory_gib:g} GiB; fastest first:")
+    if schedules != ("1f1b",):
+        print(f"(--pipeline-schedule {' / '.join(schedules)} for pipelined layouts without virtual stages; "
+              "the others run without pipelining or interleaved 1F1B)")
     print("\n".join(report.table_lines(plans, top)))
     if fitting:
         print("\nthe fastest that fits, per rank:")
         print("\n".join(report.plan_lines(fitting[0])))
     return 0
+
+
+def _refusal_of_all(refused: Counter) -> str:
+    """Why validation refused every candidate: the problems every refusal names, else the commonest refusals."""
+    shared = set.intersection(*(set(message.split("; ")) for message in refused))
+    if shared:
+        return "; ".join(sorted(shared))
+    return "validation refused every layout: " + " | ".join(message for message, _ in refused.most_common(3))
 
 
 def _check_one(values: dict, args, memory: int, hardware: Hardware) -> int:

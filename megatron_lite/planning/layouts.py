@@ -11,6 +11,7 @@ first holds the embedding and the most micro-batches in flight, the last the out
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from megatron_lite.config import Config, make_config
@@ -126,14 +127,14 @@ def candidate_flags(base: dict, world_size: int, gpus_per_node: int, schedules: 
 
 def enumerate_plans(base: dict, world_size: int, memory_bytes: int, hardware: Hardware,
                     schedules: tuple[str, ...] = ("1f1b",), offload_fractions: tuple[float, ...] = (0.0,),
-                    ) -> tuple[list[Plan], int]:
-    """Every valid layout's plan, fastest first; and how many candidates validation refused."""
-    plans, refused = [], 0
+                    ) -> tuple[list[Plan], Counter]:
+    """Every valid layout's plan, fastest first; and how many candidates validation refused, by its message."""
+    plans, refused = [], Counter()
     for flags in candidate_flags(base, world_size, hardware.gpus_per_node, schedules, offload_fractions):
         try:
             config = make_config({**base, **flags}, world_size)
-        except ConfigError:
-            refused += 1
+        except ConfigError as error:
+            refused[str(error)] += 1
             continue
         plans.append(plan_layout(config, memory_bytes, hardware, flags))
     plans.sort(key=lambda plan: plan.step_time.total)
