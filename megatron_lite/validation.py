@@ -167,6 +167,9 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
     if p.pipeline_schedule == "zb-h1" and m.recompute_granularity == "full":
         problems.append("--pipeline-schedule zb-h1 cannot be combined with --recompute-granularity full: every "
                         "weight group's pass would recompute its layer's forward; use selective or 1f1b")
+    if p.pipeline_schedule == "zb-h1" and m.torch_compile:
+        problems.append("--pipeline-schedule zb-h1 cannot be combined with --torch-compile: a compiled layer's "
+                        "backward frees its buffers as it runs, and zb-h1 keeps the graph from B to W; use 1f1b")
     problems += _pipeline_split_problems(config) + _context_parallel_problems(config)
     return problems
 

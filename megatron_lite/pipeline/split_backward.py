@@ -2,21 +2,29 @@
 weight gradients, which a zero-bubble schedule runs later in time the pipeline would otherwise idle (Qi et
 al. 2023, "Zero Bubble Pipeline Parallelism").
 
-The split works on autograd's graph, so every layer with weights takes part unchanged: linears, norms,
-embeddings, experts, custom autograd Functions. From the stage's output, a graph node is on the input
-path when the stage's input is reachable from it, and on a weight path when a parameter is. The nodes
-where a weight path leaves the input path (a matmul of an activation and a weight, a norm's scale) are the
-boundary. B differentiates the output with respect to the input alone, keeping the graph, and records the
-gradient arriving at each boundary node; the engine then computes only the input-side outputs of those
-nodes (dX = dY W). W runs the boundary nodes again from the recorded gradients towards their parameters
-only: just their weight-side outputs (dW = dY^T X) and what lies behind them.
+The split works on autograd's graph, so every layer with weights takes part without changes. From the
+stage's output, a graph node is on the input path when the stage's input is reachable from it, and on a
+weight path when a parameter is. The nodes where a weight path leaves the input path (a matmul of an
+activation and a weight, a norm's scale) are the boundary. B differentiates the output with respect to the
+input alone, keeping the graph, and records the gradient arriving at each boundary node; the engine then
+computes only the input-side outputs of those nodes (dX = dY W). W runs the boundary nodes again from the
+recorded gradients towards their parameters only: just their weight-side outputs (dW = dY^T X) and what
+lies behind them. That saves work only where a node computes just the outputs asked of it, as autograd's
+built-in nodes (mm, addmm, the native norms) do.
 
 Boundary nodes are grouped so that each parameter is reached from one group, and a group's W is one
 autograd call: a parameter's gradient accumulates once per micro-batch, so post-accumulate-grad hooks
-(gradient buffers, --overlap-grad-reduce) see each gradient exactly once, in W. Should one node of a group
-lie on the input path behind another (a weight used twice along the path), running the group again would
-send gradient down the input path a second time; such a group's weight gradients are computed in B, held,
-and accumulated in W.
+(gradient buffers, --overlap-grad-reduce) see each gradient exactly once, in W. Two kinds of group are
+instead held: their weight gradients are computed in B, kept, and accumulated in W. One whose nodes lie on
+the input path behind one another (a weight used twice along the path), since running the group again
+would send gradient down the input path a second time. And one with a node whose backward computes all of
+its outputs whatever is asked of it, a Python torch.autograd.Function's (its ctx.needs_input_grad is fixed
+in the forward) or a torch.compile'd region's, since running it again would repeat its whole backward. Such
+a node (a Function computing dX and dW in one backward, a compiled layer) runs once, in B, so its weight
+gradients are not delayed: on those layers B costs what the whole backward does. A compiled region takes
+part only when compiled with torch._functorch.config.donated_buffer off: by default its backward frees
+buffers as it runs and refuses a graph kept for W, which is why
+zb-h1 with --torch-compile is refused (validation.py).
 
 A stage with no input to differentiate (the first) has nothing to do in B, and its W is the whole
 backward. The graph stays alive until W, so a micro-batch holds its activations until then; the schedule
@@ -50,8 +58,9 @@ def backward_input(output: torch.Tensor, output_grad: torch.Tensor | None, input
     graph = _Graph(output.grad_fn, get_gradient_edge(input_tensor).node,
                    {get_gradient_edge(p).node: p for p in params})
     groups = graph.boundary_groups()
-    held = [group for group in groups if graph.overlaps(group)]
-    deferred = [group for group in groups if not graph.overlaps(group)]
+    hold = [graph.overlaps(group) or any(map(_computes_every_output, group[0])) for group in groups]
+    held = [group for group, holds in zip(groups, hold) if holds]
+    deferred = [group for group, holds in zip(groups, hold) if not holds]
     held_params = [p for group in held for p in group[1]]
 
     captured: dict[Node, tuple] = {}
@@ -140,6 +149,12 @@ class _Graph:
                 seen.add(node)
                 stack += [c for c in _children(node) if self.weight_only(c)]
         return seen
+
+
+def _computes_every_output(node: Node) -> bool:
+    """Whether the node's backward computes all of its input gradients even when only some are needed: a
+    Python autograd.Function's or a torch.compile'd graph's (CompiledFunctionBackward), both BackwardCFunction."""
+    return isinstance(node, torch.autograd.function.BackwardCFunction)
 
 
 def _children(node: Node) -> list[Node]:
