@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -179,17 +180,17 @@ def expert_kernels_ms(device: str, repeats: int = 20) -> dict:
     experts = torch.randint(0, m.num_experts, (rows,), generator=generator).sort().values
     counts = torch.bincount(experts, minlength=m.num_experts).to(device)
     x = torch.randn(rows, m.hidden_size, generator=generator).to(device).requires_grad_()
-    fc1 = torch.randn(m.num_experts, 2 * m.moe_ffn_hidden_size, m.hidden_size, generator=generator)
-    fc2 = torch.randn(m.num_experts, m.hidden_size, m.moe_ffn_hidden_size, generator=generator)
-    fc1, fc2 = fc1.to(device).requires_grad_(), fc2.to(device).requires_grad_()
-    sizes = counts.tolist()
+    fc1 = [torch.randn(2 * m.moe_ffn_hidden_size, m.hidden_size, generator=generator).to(device).requires_grad_()
+           for _ in range(m.num_experts)]
+    fc2 = [torch.randn(m.hidden_size, m.moe_ffn_hidden_size, generator=generator).to(device).requires_grad_()
+           for _ in range(m.num_experts)]
 
-    def loop(inputs, weight, _):
-        return torch.cat([chunk @ w.t() for chunk, w in zip(inputs.split(sizes), weight)])
+    def loop(inputs, weights, _):
+        return torch.cat([chunk @ w.t() for chunk, w in zip(inputs.split(counts.tolist()), weights)])
 
-    kernels = {"padded_bmm": moe_experts.padded_grouped_linear, "per_expert_loop": loop}
-    if moe_experts.grouped_mm_applies(x, fc1):
-        kernels = {"grouped_mm": moe_experts.grouped_linear, **kernels}
+    kernels = {"padded_bmm": partial(moe_experts.experts_linear, grouped_mm=False), "per_expert_loop": loop}
+    if moe_experts.grouped_mm_applies(x, fc1[0]):
+        kernels = {"grouped_mm": partial(moe_experts.experts_linear, grouped_mm=True), **kernels}
     times = {}
     for name, linear in kernels.items():
         samples = []

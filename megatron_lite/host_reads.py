@@ -1,7 +1,9 @@
 """Counting the reads of tensor values by the host: each one stalls the host until a GPU catches up.
 
 Every `.item()`, `.tolist()`, `float(t)`, `int(t)`, `bool(t)` of a CUDA tensor waits for the device. On the
-CPU they cost nothing, so tests and benchmarks count them instead of timing them.
+CPU they cost nothing, so tests and benchmarks count them instead of timing them. Only these Python-level reads
+are counted: an op that synchronises inside torch on CUDA (nonzero, boolean-mask indexing, an output sized by
+its data, `.to("cpu")`) is not seen here; `torch.cuda.set_sync_debug_mode("error")` finds those on a GPU.
 """
 
 from __future__ import annotations

@@ -208,9 +208,9 @@ def test_expert_bias_moves_towards_balance_and_only_changes_selection():
     layer = _layer(values)
     x = torch.randn(8, 2, BASE["hidden_size"])
     logits = x.reshape(-1, BASE["hidden_size"]) @ layer.router.weight.detach().t()
+    _, indices = _route(layer.router, logits)  # the routing of this iteration: zero bias
     layer(x).sum().backward()
     update_expert_biases([layer], ParallelState.single(), make_config({**BASE, "num_layers": 1, **values}))
-    _, indices = _route(layer.router, logits)  # routing before the update: zero bias
     load = torch.stack([(indices == e).sum() for e in range(layer.num_experts)]).float()
     assert torch.equal(layer.router.expert_bias, 0.01 * torch.sign(load.mean() - load))
     assert layer.load_since_bias_update is None
@@ -265,26 +265,52 @@ def test_the_schedules_scale_the_moe_losses_with_the_language_model_loss(schedul
 
 @pytest.mark.parametrize("kernel", ["grouped_mm", "padded_bmm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_linear_equals_one_matmul_per_expert(kernel, dtype):
-    """Rows sorted by expert (one expert with none) times each expert's weight, forward and backward."""
+@pytest.mark.parametrize("counts", [[5, 0, 9, 2], [0, 0, 0, 0]])
+def test_experts_linear_equals_one_matmul_per_expert(kernel, dtype, counts):
+    """Rows sorted by expert (an expert with none, or no rows at all) times each expert's weight, forward and
+    backward."""
     if kernel == "grouped_mm" and not moe_experts.grouped_mm_runs("cpu", dtype):
         pytest.skip("this torch has no torch._grouped_mm on the CPU")
     torch.manual_seed(0)
-    counts = torch.tensor([5, 0, 9, 2])
-    x = torch.randn(16, 32, dtype=dtype, requires_grad=True)
-    weight = torch.randn(4, 24, 32, dtype=dtype, requires_grad=True)
-    run = moe_experts.grouped_linear if kernel == "grouped_mm" else moe_experts.padded_grouped_linear
-    if kernel == "grouped_mm":
-        assert moe_experts.grouped_mm_applies(x, weight)
-    out = run(x, weight, counts)
+    counts = torch.tensor(counts)
+    x = torch.randn(int(counts.sum()), 32, dtype=dtype, requires_grad=True)
+    weights = [torch.randn(24, 32, dtype=dtype, requires_grad=True) for _ in range(4)]
+    if kernel == "grouped_mm" and x.shape[0]:
+        assert moe_experts.grouped_mm_applies(x, weights[0])
+    out = moe_experts.experts_linear(x, weights, counts, grouped_mm=None if kernel == "grouped_mm" else False)
     out.sum().backward()  # a broadcast gradient
-    got = [out.detach(), x.grad.clone(), weight.grad.clone()]
-    x.grad = weight.grad = None
-    expected = torch.cat([rows @ w.t() for rows, w in zip(x.split(counts.tolist()), weight)])
-    expected.sum().backward()
+    got = [out.detach(), x.grad.clone(), *(w.grad.clone() for w in weights)]
+    x.grad = None
+    for w in weights:
+        w.grad = None
+    expected = torch.cat([rows @ w.t() for rows, w in zip(x.split(counts.tolist()), weights)])
+    (expected.sum() + sum(w.sum() * 0 for w in weights)).backward()
     rel = 1e-5 if dtype == torch.float32 else 1e-2
-    for a, b in zip(got, [expected.detach(), x.grad, weight.grad], strict=True):
+    for a, b in zip(got, [expected.detach(), x.grad, *(w.grad for w in weights)], strict=True):
         assert_close_relative(a.float(), b.float(), rel=rel)
+
+
+def test_grouped_mm_does_not_apply_without_rows():
+    x, weight = torch.zeros(0, 32), torch.zeros(24, 32)
+    assert not moe_experts.grouped_mm_applies(x, weight)
+
+
+def test_the_experts_keep_no_stacked_copy_of_their_weights_for_backward():
+    """What autograd saves for the experts' backward is the input rows and the experts' own parameters: no
+    [E, out, in] stack (a copy of every local expert's weights per layer per micro-batch in flight)."""
+    config = make_config({**BASE, "moe_ffn_hidden_size": 32}).model
+    experts = moe_experts.GroupedExperts(config, 1, 4)
+    for expert in experts:
+        for param in expert.parameters():
+            torch.nn.init.normal_(param)
+    storages = {p.untyped_storage().data_ptr() for p in experts.parameters()}
+    saved = []
+    counts = torch.tensor([3, 0, 4, 1])
+    x = torch.randn(8, config.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        experts(x, counts).sum().backward()
+    stacked = [t for t in saved if t.dim() == 3 and t.untyped_storage().data_ptr() not in storages]
+    assert saved and not stacked, [tuple(t.shape) for t in stacked]
 
 
 @pytest.mark.parametrize("variant", [{}, {**SIGMOID, "moe_router_enable_expert_bias": True,

@@ -2,13 +2,14 @@
 
 Each expert keeps its own weights under its global name (`mlp.experts.<e>.linear_fc1.weight`), so
 initialization and checkpoints do not depend on the layout. A forward stacks the local experts' weights
-and multiplies every expert's tokens at once:
+and multiplies every expert's tokens at once (the stacked copy is made again in backward rather than kept):
   torch._grouped_mm   where the installed torch has it for the device and dtype (CUDA: bf16 on Hopper and
                       newer; recent CPU builds: fp32 and bf16) and rows are multiples of 16 bytes; the
                       group offsets stay on the device: no host read and no padding
   padded bmm          elsewhere: each expert's rows are placed in a [E_local, longest, in] batch by index
-                      ops and multiplied with one torch.bmm; the longest group is read back once (the one
-                      read of the expert compute, only where the grouped kernel cannot run)
+                      ops and multiplied with one torch.bmm; the longest group is read back for each
+                      product (forward: two per layer; backward: three per linear), only where the grouped
+                      kernel cannot run
 
 Tensor parallelism splits expert weights as the dense MLP's (fc1 by output rows, [gate; up] halves
 separately for SwiGLU; fc2 by input columns); the outputs are partial sums over TP that the MoE layer
@@ -44,44 +45,70 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch._grouped_mm runs these operands: it exists for their device and dtype, and their rows are a
+    """torch._grouped_mm runs rows `x` [N, in] times expert weights [out, in]: it exists for their device and
+    dtype, there are rows (its backward rejects an empty input), and rows of in and of out elements are each a
     multiple of 16 bytes."""
     aligned = 16 // x.element_size()
-    return (x.dtype == weight.dtype and x.shape[-1] % aligned == 0 and weight.shape[1] % aligned == 0
-            and grouped_mm_runs(x.device.type, x.dtype))
+    return (x.dtype == weight.dtype and x.shape[0] > 0 and x.shape[1] % aligned == 0
+            and weight.shape[0] % aligned == 0 and grouped_mm_runs(x.device.type, x.dtype))
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient (torch._grouped_mm's backward rejects the
-    broadcast gradients that, e.g., a sum produces)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
+def _grouped_product(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
+    """[N, k] rows sorted by group times b [G, k, n] -> [N, n]: rows of group g times b[g]."""
+    if grouped_mm:
+        return torch._grouped_mm(a, b, offs=counts.cumsum(0).to(torch.int32))
+    padded, rows = _padded_by_group(a, counts, b.shape[0])
+    return torch.bmm(padded, b)[rows]
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """[N, in] rows sorted by group, weights [G, out, in], rows per group [G] (on the device) -> [N, out]:
-    rows of group g times weight[g]^T."""
-    if grouped_mm_applies(x, weight):
-        offsets = counts.cumsum(0).to(torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets))
-    return padded_grouped_linear(x, weight, counts)
+def _grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, groups: int,
+                         grouped_mm: bool) -> torch.Tensor:
+    """[G, out, in]: for each group g, its rows of `grad` [N, out] transposed times its rows of `x` [N, in]."""
+    if grouped_mm:  # the call torch's own backward of the forward product makes
+        return torch._grouped_mm(x.t(), grad, offs=counts.cumsum(0).to(torch.int32)).transpose(1, 2)
+    padded_x, _ = _padded_by_group(x, counts, groups)
+    padded_grad, _ = _padded_by_group(grad, counts, groups)
+    return torch.bmm(padded_grad.transpose(1, 2), padded_x)
 
 
-def padded_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """`grouped_linear` as one torch.bmm over groups padded to the longest."""
-    groups, rows = weight.shape[0], x.shape[0]
+def _padded_by_group(x: torch.Tensor, counts: torch.Tensor, groups: int) -> tuple[torch.Tensor, tuple]:
+    """[N, d] rows sorted by group -> [G, longest, d] zero-padded, and the index of each row in it."""
+    rows = x.shape[0]
     starts = counts.cumsum(0) - counts
     group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts, output_size=rows)
     position = torch.arange(rows, device=x.device) - starts[group]
     longest = int(counts.max()) if rows else 0  # the padding's length: a host read
-    padded = x.new_zeros(groups, longest, x.shape[1]).index_put((group, position), x)
-    return torch.bmm(padded, weight.transpose(1, 2))[group, position]
+    return x.new_zeros(groups, longest, x.shape[1]).index_put((group, position), x), (group, position)
+
+
+class _ExpertsLinear(torch.autograd.Function):
+    """Rows sorted by expert times each expert's own weight. The stacked [G, out, in] copy the kernels need is
+    made in forward and again in backward, never kept between them: autograd would otherwise hold a copy of
+    every local expert's weights per MoE layer for each micro-batch in flight."""
+
+    @staticmethod
+    def forward(ctx, x, counts, grouped_mm, *weights):
+        ctx.grouped_mm = grouped_mm
+        ctx.save_for_backward(x, counts, *weights)
+        return _grouped_product(x, torch.stack(weights).transpose(1, 2), counts, grouped_mm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, counts, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = (_grouped_product(grad, torch.stack(weights), counts, ctx.grouped_mm)
+                  if ctx.needs_input_grad[0] else None)
+        grad_weights = _grouped_weight_grad(grad, x, counts, len(weights), ctx.grouped_mm)
+        return grad_x, None, None, *grad_weights.unbind(0)
+
+
+def experts_linear(x: torch.Tensor, weights: list[torch.Tensor], counts: torch.Tensor,
+                   grouped_mm: bool | None = None) -> torch.Tensor:
+    """[N, in] rows sorted by expert, each expert's weight [out, in], rows per expert [E] (on the device) ->
+    [N, out], differentiable. `grouped_mm` chooses the kernel; None: torch._grouped_mm where it applies."""
+    if grouped_mm is None:
+        grouped_mm = grouped_mm_applies(x, weights[0])
+    return _ExpertsLinear.apply(x, counts, grouped_mm, *weights)
 
 
 class ExpertLinear(torch.nn.Module):
@@ -121,10 +148,10 @@ class GroupedExperts(torch.nn.ModuleList):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """[N, h] rows sorted by local expert, [E_local] rows per expert (on the device) -> [N, h]."""
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in self])  # [E_local, chunks ffn / tp, h]
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in self])  # [E_local, h, ffn / tp]
-        hidden = activation(self.config, grouped_linear(x, fc1, tokens_per_expert))
-        return grouped_linear(hidden, fc2, tokens_per_expert)
+        fc1 = [expert.linear_fc1.weight for expert in self]  # each [chunks ffn / tp, h]
+        fc2 = [expert.linear_fc2.weight for expert in self]  # each [h, ffn / tp]
+        hidden = activation(self.config, experts_linear(x, fc1, tokens_per_expert))
+        return experts_linear(hidden, fc2, tokens_per_expert)
 
 
 class SharedExpertMLP(ExpertMLP):
