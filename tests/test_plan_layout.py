@@ -1,6 +1,7 @@
 """The layout planner: its parameter, gradient and optimizer bytes are those the built model and optimizer
 allocate on every rank (tiny models in 4-rank worlds: TP+SP, PP with tied and untied embeddings, virtual
-stages, MoE with EP, every ZeRO stage, small buckets so that padding shows); a layout that cannot fit is
+stages, MoE with EP, every ZeRO stage, small buckets so that padding shows, optimizer state offloaded to the
+host); a layout that cannot fit is
 refused naming the rank and the bytes over; --json lists valid layouts fastest first."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import pretrain_gpt
 from megatron_lite.config import make_config
 from megatron_lite.optim.distributed_optimizer import build_optimizer
+from megatron_lite.planning.layouts import offload_fraction_of
 from megatron_lite.planning.state_memory import stage_state_bytes
 from megatron_lite.training import build_model, initialize
 from tests.harness import run_on_ranks
@@ -38,6 +40,12 @@ LAYOUTS = {
                                             "use_distributed_optimizer": True},
     "tp2_dp2_qk_norm_qkv_bias_zero2_fp32": {**LLAMA, "tensor_model_parallel_size": 2, "qk_layernorm": True,
                                             "add_qkv_bias": True, "data_parallel_sharding_strategy": "optim_grads"},
+    "tp2_dp2_zero1_bf16_offload_0.3": {**LLAMA, "tensor_model_parallel_size": 2, "use_distributed_optimizer": True,
+                                       "bf16": True, "ddp_bucket_size": 4000, "optimizer_cpu_offload": True,
+                                       "optimizer_offload_fraction": 0.3},
+    "pp2_vp2_dp2_no_shard_fp32_offload_0.6": {**LLAMA, "pipeline_model_parallel_size": 2,
+                                              "num_virtual_stages_per_pipeline_rank": 2, "optimizer_cpu_offload": True,
+                                              "optimizer_offload_fraction": 0.6},
 }
 
 
@@ -52,15 +60,20 @@ def built_and_planned(values: dict, world_size: int) -> dict:
         for kind, size in chunk.memory_footprint().items():
             held[kind] += size
     held["optimizer"] = sum(optimizer.memory_footprint().values())
-    planned = stage_state_bytes(config, pstate.pp_rank, pstate.cp_rank + pstate.cp_size * pstate.dp_rank)
+    held["optimizer_on_host"] = sum(optimizer.host_memory_footprint().values())
+    planned = stage_state_bytes(config, pstate.pp_rank, pstate.cp_rank + pstate.cp_size * pstate.dp_rank,
+                                offload_fraction_of(config))
     return {"built": held, "planned": {"params": planned.params, "grads": planned.grads,
-                                       "optimizer": planned.optimizer}}
+                                       "optimizer": planned.optimizer, "optimizer_on_host": planned.optimizer_on_host}}
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_planned_state_bytes_equal_the_built_model_on_every_rank(name):
-    for rank, result in enumerate(run_on_ranks(4, built_and_planned, LAYOUTS[name], 4)):
+    results = run_on_ranks(4, built_and_planned, LAYOUTS[name], 4)
+    for rank, result in enumerate(results):
         assert result["planned"] == result["built"], f"rank {rank}"
+    if "offload" in name:  # whole ranges on the host, on every rank, and not all of them
+        assert all(result["built"]["optimizer_on_host"] > 0 and result["built"]["optimizer"] for result in results)
 
 
 def test_a_layout_that_cannot_fit_is_refused_with_the_rank_and_bytes_over(capsys):
@@ -113,9 +126,11 @@ def test_the_schedule_and_the_offloaded_share_are_read_from_the_flags(capsys):
     assert plan_layout.main([*flags, "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.25"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["offload_fraction"] == 0.25
-    for stage in record["stages"]:
-        on_device, on_host = stage["optimizer_bytes"], stage["optimizer_host_bytes"]
-        assert on_host == round((on_device + on_host) * 0.25) > 0
+    # fp32 weights: an element stepped on the device costs its two moments (8 bytes); on the host its master,
+    # moments and gradient buffer (16 bytes).
+    for stage, plain in zip(record["stages"], records["1f1b"]["stages"]):
+        moved = (plain["optimizer_bytes"] - stage["optimizer_bytes"]) // 8
+        assert stage["optimizer_host_bytes"] == 16 * moved and 0 < moved < plain["optimizer_bytes"] // 8
 
 
 def test_a_given_schedule_applies_to_pipelined_layouts_only_and_a_flag_every_layout_breaks_is_named(capsys):

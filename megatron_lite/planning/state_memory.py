@@ -13,8 +13,11 @@ each padded to a multiple of its data-parallel group) and what each ZeRO stage k
   optimizer  fp32 masters of bf16/fp16 weights and two fp32 Adam moments, for every element this rank steps:
              whole parameters (no_shard) or its part of each bucket's real elements (sharded)
 
-A fraction of the optimizer state may be held in host memory instead (--optimizer-cpu-offload); the
-device then holds the rest.
+With --optimizer-cpu-offload the optimizer's leading owned ranges (its order: whole parameters chunk by
+chunk in no_shard, else each bucket's parameters met by this rank's shard) whose elements come nearest
+--optimizer-offload-fraction of all it steps live in host memory (optim/cpu_offload.py). Each of their
+elements costs the host an fp32 master (also for an fp32 weight), two fp32 moments, an fp32 gradient
+buffer and, for bf16/fp16 weights, a copy in the weight's dtype; the device keeps the other ranges' state.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
+from megatron_lite.optim.cpu_offload import offloaded_count
 from megatron_lite.pipeline.layer_split import ChunkPlan, model_chunk_plans
 
 FP32 = 4
@@ -40,13 +44,14 @@ class ParamShape:
 
 @dataclass
 class StateBytes:
-    """Bytes one rank holds between steps (device), and the optimizer bytes moved to the host."""
+    """Bytes one rank holds between steps (device), and the optimizer's bytes in host memory."""
 
     params: int = 0
     grads: int = 0
     optimizer: int = 0
     optimizer_on_host: int = 0
     numel: int = 0  # local parameter elements (what the model's parameters() count)
+    offloaded: int = 0  # elements stepped on the host
 
     @property
     def total(self) -> int:
@@ -144,57 +149,102 @@ class BucketShape:
     unit: int  # the ZeRO-3 unit of its parameters (-1: the chunk outside its layers)
 
 
-def chunk_buckets(config: Config, chunk: ChunkPlan) -> list[BucketShape]:
-    """The buckets of one model chunk in backward order, dense ones first."""
+def _chunk_bucket_params(config: Config, chunk: ChunkPlan) -> list[tuple[bool, list[ParamShape]]]:
+    """Each bucket of one model chunk as (expert, its parameters in buffer order), in backward order, dense
+    ones first."""
     p = config.parallel
-    dense_group = p.data_parallel_size * p.context_parallel_size
-    groups = {False: dense_group, True: dense_group // p.expert_model_parallel_size}
     params = chunk_params(config, chunk)
     buckets = []
     for expert in (False, True):
         members = [param for param in params if param.expert == expert][::-1]
         for bucket in _cut_buckets(members, p.ddp_bucket_size, p.data_parallel_sharding_strategy
                                    == "optim_grads_params") if members else []:
-            real = sum(param.numel for param in bucket)
-            buckets.append(BucketShape(real, _round_up(real, groups[expert]), expert, bucket[0].unit))
+            buckets.append((expert, bucket))
     return buckets
 
 
-def chunk_state_bytes(config: Config, chunk: ChunkPlan, dp_rank: int = 0, offload_fraction: float = 0.0
-                      ) -> StateBytes:
+def _group_sizes(config: Config) -> dict[bool, int]:
+    """The data-parallel group of dense (False) and expert (True) buckets."""
+    p = config.parallel
+    dense_group = p.data_parallel_size * p.context_parallel_size
+    return {False: dense_group, True: dense_group // p.expert_model_parallel_size}
+
+
+def chunk_buckets(config: Config, chunk: ChunkPlan) -> list[BucketShape]:
+    """The buckets of one model chunk in backward order, dense ones first."""
+    groups = _group_sizes(config)
+    buckets = []
+    for expert, bucket in _chunk_bucket_params(config, chunk):
+        real = sum(param.numel for param in bucket)
+        buckets.append(BucketShape(real, _round_up(real, groups[expert]), expert, bucket[0].unit))
+    return buckets
+
+
+def owned_range_numels(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> list[int]:
+    """Elements of each range the optimizer steps for one model chunk, in its order: every parameter whole
+    (no_shard), else each bucket's parameters cut to the part inside this rank's shard (empty parts left out)."""
+    p = config.parallel
+    if p.data_parallel_sharding_strategy == "no_shard":
+        return [param.numel for param in chunk_params(config, chunk)]
+    groups = _group_sizes(config)
+    numels = []
+    for expert, bucket in _chunk_bucket_params(config, chunk):
+        shard = _round_up(sum(param.numel for param in bucket), groups[expert]) // groups[expert]
+        shard_start = (dp_rank // p.expert_model_parallel_size if expert else dp_rank) * shard
+        offset = 0
+        for param in bucket:
+            owned = min(shard_start + shard, offset + param.numel) - max(shard_start, offset)
+            if owned > 0:
+                numels.append(owned)
+            offset += param.numel
+    return numels
+
+
+def chunk_state_bytes(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> StateBytes:
     """What one model chunk costs the rank at index `dp_rank` of its dp x cp group (its index in the
-    expert-data-parallel group is dp_rank // ep, as parallel/state.py orders ranks). Index 0 holds the most:
-    the padding of a bucket falls in the last ranks' shards."""
+    expert-data-parallel group is dp_rank // ep, as parallel/state.py orders ranks), all its optimizer state
+    on the device. Index 0 holds the most: the padding of a bucket falls in the last ranks' shards."""
     p = config.parallel
     strategy = p.data_parallel_sharding_strategy
     weight = param_bytes(config)
-    masters = 0 if weight == FP32 else FP32
-    dense_group = p.data_parallel_size * p.context_parallel_size
-    groups = {False: dense_group, True: dense_group // p.expert_model_parallel_size}
+    groups = _group_sizes(config)
     state = StateBytes(numel=sum(param.numel for param in chunk_params(config, chunk)))
-    optimizer_elements = 0
     for bucket in chunk_buckets(config, chunk):
         shard = bucket.numel // groups[bucket.expert]
-        rank = dp_rank // p.expert_model_parallel_size if bucket.expert else dp_rank
         if strategy == "no_shard":
             state.params += bucket.real * weight
             state.grads += bucket.numel * FP32
-            optimizer_elements += bucket.real
             continue
         state.params += (shard if strategy == "optim_grads_params" else bucket.numel) * weight
         state.grads += (bucket.numel if strategy == "optim" else shard) * FP32
-        optimizer_elements += min(max(bucket.real - rank * shard, 0), shard)
-    optimizer = optimizer_elements * (masters + 2 * FP32)
-    state.optimizer_on_host = round(optimizer * offload_fraction)
-    state.optimizer = optimizer - state.optimizer_on_host
+    state.optimizer = sum(owned_range_numels(config, chunk, dp_rank)) * _device_optimizer_bytes(config)
     return state
 
 
+def _device_optimizer_bytes(config: Config) -> int:
+    """Per element stepped on the device: two fp32 moments and, for a bf16/fp16 weight, its fp32 master."""
+    return 2 * FP32 + (0 if param_bytes(config) == FP32 else FP32)
+
+
+def host_optimizer_bytes(config: Config) -> int:
+    """Per element stepped on the host: fp32 master, two fp32 moments, fp32 gradient, and for a bf16/fp16
+    weight the copy that crosses to the device."""
+    weight = param_bytes(config)
+    return 4 * FP32 + (0 if weight == FP32 else weight)
+
+
 def stage_state_bytes(config: Config, pp_rank: int, dp_rank: int = 0, offload_fraction: float = 0.0) -> StateBytes:
-    """Parameters, gradients and optimizer state of a rank of pipeline stage `pp_rank`, all its chunks."""
+    """Parameters, gradients and optimizer state of a rank of pipeline stage `pp_rank`, all its chunks, with
+    the leading owned ranges nearest `offload_fraction` of its optimizer elements held on the host."""
     total = StateBytes()
+    ranges = []
     for chunk in model_chunk_plans(config, pp_rank):
-        part = chunk_state_bytes(config, chunk, dp_rank, offload_fraction)
-        for name in ("params", "grads", "optimizer", "optimizer_on_host", "numel"):
+        part = chunk_state_bytes(config, chunk, dp_rank)
+        for name in ("params", "grads", "optimizer", "numel"):
             setattr(total, name, getattr(total, name) + getattr(part, name))
+        ranges += owned_range_numels(config, chunk, dp_rank)
+    if offload_fraction:
+        total.offloaded = sum(ranges[:offloaded_count(ranges, offload_fraction)])
+        total.optimizer -= total.offloaded * _device_optimizer_bytes(config)
+        total.optimizer_on_host = total.offloaded * host_optimizer_bytes(config)
     return total

@@ -108,8 +108,7 @@ def predict_step_time(config: Config, schedule: str, state: StateBytes, hardware
         routed = tokens * m.moe_router_topk * m.hidden_size * e
         expert_parallel = moe_here * micro * 4 * routed * (ep - 1) / ep / _bandwidth(hardware, tp * ep)
     offload = 0.0
-    if state.optimizer_on_host:
-        moved = state.optimizer_on_host / (2 * FP32 + (FP32 if e != FP32 else 0))  # elements stepped on the host
-        offload = moved * (FP32 + e) / hardware.host_bandwidth
+    if state.offloaded:
+        offload = state.offloaded * (FP32 + e) / hardware.host_bandwidth
     return StepTime(compute, compute * bubble_share, tensor_parallel, context_parallel, pipeline, data_parallel,
                     expert_parallel, offload)
