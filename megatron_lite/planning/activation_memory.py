@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from megatron_lite.config import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.pipeline.layer_split import model_chunk_plans
-from megatron_lite.planning.state_memory import FP32, chunk_buckets, param_bytes
+from megatron_lite.planning.state_memory import FP32, chunk_buckets, param_bytes, zero_stage_of
 
 INDEX = 8  # int64 token ids and labels
 
@@ -142,8 +142,8 @@ def _zero_buffers(config: Config, chunks) -> tuple[int, int]:
     whole forward and, since the embedding's gradient comes last, its whole backward, plus one layer (two with
     --overlap-param-gather, which prefetches the next) in the backward."""
     p = config.parallel
-    strategy = p.data_parallel_sharding_strategy
-    if strategy not in ("optim_grads", "optim_grads_params"):
+    stage = zero_stage_of(config)
+    if not stage.shards_grads:
         return 0, 0
     weight = param_bytes(config)
     forward = backward = 0
@@ -152,7 +152,7 @@ def _zero_buffers(config: Config, chunks) -> tuple[int, int]:
         dense = [bucket.numel for bucket in buckets if not bucket.expert]
         grads = FP32 * (max(dense, default=0) + sum(bucket.numel for bucket in buckets if bucket.expert))
         gathered_forward = gathered_backward = 0
-        if strategy == "optim_grads_params":
+        if stage.shards_params:
             units: dict[int, int] = {}
             for bucket in buckets:
                 units[bucket.unit] = units.get(bucket.unit, 0) + bucket.numel

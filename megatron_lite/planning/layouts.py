@@ -15,12 +15,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from megatron_lite.config import Config, make_config
+from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.planning.activation_memory import ActivationBytes, stage_activation_bytes
 from megatron_lite.planning.state_memory import StateBytes, stage_state_bytes
 from megatron_lite.planning.step_time import Hardware, StepTime, predict_step_time
 from megatron_lite.validation import ConfigError
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+STRATEGIES = tuple(stage.value for stage in ZeroStage)
 RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},
              "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
 

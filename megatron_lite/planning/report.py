@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 from megatron_lite.config import Config
 from megatron_lite.planning.layouts import Plan, plan_layout
+from megatron_lite.planning.state_memory import zero_stage_of
 from megatron_lite.planning.step_time import Hardware
 
 GIB = 2**30
@@ -15,13 +16,14 @@ def layout_name(plan: Plan) -> str:
     """tp2 cp1 pp4 vp2 dp8 ep1 ZeRO-1 recompute=full 1f1b offload=0.5, in Megatron's terms."""
     c = plan.config
     p, m = c.parallel, c.model
-    zero = {"no_shard": "no-ZeRO", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
+    stage = zero_stage_of(c)
+    level = stage.shards_optimizer_state + stage.shards_grads + stage.shards_params
     parts = [f"tp{p.tensor_model_parallel_size}{'+sp' if p.sequence_parallel else ''}",
              f"cp{p.context_parallel_size}", f"pp{p.pipeline_model_parallel_size}",
              f"vp{c.virtual_pipeline_stages or 1}", f"dp{p.data_parallel_size}"]
     if m.num_experts:
         parts.append(f"ep{p.expert_model_parallel_size}")
-    parts += [zero[p.data_parallel_sharding_strategy], f"recompute={m.recompute_granularity or 'none'}",
+    parts += [f"ZeRO-{level}" if level else "no-ZeRO", f"recompute={m.recompute_granularity or 'none'}",
               plan.schedule]
     if plan.offload_fraction:
         parts.append(f"offload={plan.offload_fraction:g}")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from megatron_lite.config import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.optim.cpu_offload import offloaded_count
+from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.pipeline.layer_split import ChunkPlan, model_chunk_plans
 
 FP32 = 4
@@ -62,6 +63,11 @@ def param_bytes(config: Config) -> int:
     """Bytes per model weight: 2 with --bf16/--fp16, else 4."""
     o = config.optimizer
     return 2 if (o.bf16 or o.fp16) else FP32
+
+
+def zero_stage_of(config: Config) -> ZeroStage:
+    """The ZeRO stage of --data-parallel-sharding-strategy, whose properties say what a rank keeps."""
+    return ZeroStage(config.parallel.data_parallel_sharding_strategy)
 
 
 def _linear(out_features: int, in_features: int, bias: bool, tp_dim: int | None, tp: int) -> list[int]:
@@ -157,8 +163,8 @@ def _chunk_bucket_params(config: Config, chunk: ChunkPlan) -> list[tuple[bool, l
     buckets = []
     for expert in (False, True):
         members = [param for param in params if param.expert == expert][::-1]
-        for bucket in _cut_buckets(members, p.ddp_bucket_size, p.data_parallel_sharding_strategy
-                                   == "optim_grads_params") if members else []:
+        for bucket in _cut_buckets(members, p.ddp_bucket_size, zero_stage_of(config).shards_params
+                                   ) if members else []:
             buckets.append((expert, bucket))
     return buckets
 
@@ -184,7 +190,7 @@ def owned_range_numels(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> li
     """Elements of each range the optimizer steps for one model chunk, in its order: every parameter whole
     (no_shard), else each bucket's parameters cut to the part inside this rank's shard (empty parts left out)."""
     p = config.parallel
-    if p.data_parallel_sharding_strategy == "no_shard":
+    if not zero_stage_of(config).shards_optimizer_state:
         return [param.numel for param in chunk_params(config, chunk)]
     groups = _group_sizes(config)
     numels = []
@@ -204,19 +210,18 @@ def chunk_state_bytes(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> Sta
     """What one model chunk costs the rank at index `dp_rank` of its dp x cp group (its index in the
     expert-data-parallel group is dp_rank // ep, as parallel/state.py orders ranks), all its optimizer state
     on the device. Index 0 holds the most: the padding of a bucket falls in the last ranks' shards."""
-    p = config.parallel
-    strategy = p.data_parallel_sharding_strategy
+    stage = zero_stage_of(config)
     weight = param_bytes(config)
     groups = _group_sizes(config)
     state = StateBytes(numel=sum(param.numel for param in chunk_params(config, chunk)))
     for bucket in chunk_buckets(config, chunk):
         shard = bucket.numel // groups[bucket.expert]
-        if strategy == "no_shard":
+        if not stage.shards_optimizer_state:
             state.params += bucket.real * weight
             state.grads += bucket.numel * FP32
             continue
-        state.params += (shard if strategy == "optim_grads_params" else bucket.numel) * weight
-        state.grads += (bucket.numel if strategy == "optim" else shard) * FP32
+        state.params += (shard if stage.shards_params else bucket.numel) * weight
+        state.grads += (shard if stage.shards_grads else bucket.numel) * FP32
     state.optimizer = sum(owned_range_numels(config, chunk, dp_rank)) * _device_optimizer_bytes(config)
     return state
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from megatron_lite.config import Config
 from megatron_lite.logging import training_flops_per_token
 from megatron_lite.model.moe import moe_layer_numbers
-from megatron_lite.planning.state_memory import FP32, StateBytes, param_bytes
+from megatron_lite.planning.state_memory import FP32, StateBytes, param_bytes, zero_stage_of
 
 
 @dataclass(frozen=True)
@@ -91,16 +91,13 @@ def predict_step_time(config: Config, schedule: str, state: StateBytes, hardware
     pipeline = (2 * micro * v * stream * m.hidden_size * e / _bandwidth(hardware, tp * cp * dp + 1)) if pp > 1 else 0.0
     d = dp * cp
     share = (d - 1) / d
-    strategy = p.data_parallel_sharding_strategy
-    grad_elements = state.numel
-    if strategy == "no_shard":
-        dp_bytes = 2 * share * grad_elements * FP32
-    elif strategy == "optim":
-        dp_bytes = share * grad_elements * (FP32 + e)
-    elif strategy == "optim_grads":
-        dp_bytes = share * grad_elements * (micro * FP32 + e)
+    stage = zero_stage_of(config)
+    if stage.shards_optimizer_state:
+        reductions = micro if stage.shards_grads else 1
+        gathers = 2 * micro if stage.shards_params else 1
+        dp_bytes = share * state.numel * (reductions * FP32 + gathers * e)
     else:
-        dp_bytes = share * grad_elements * micro * (FP32 + 2 * e)
+        dp_bytes = 2 * share * state.numel * FP32
     data_parallel = dp_bytes / _bandwidth(hardware, tp * d) if d > 1 else 0.0
     expert_parallel = 0.0
     if ep > 1:
