@@ -19,11 +19,11 @@ forward while the weights travel, and that forward's kernels queue behind the co
 current stream, and before stepping the host waits for that stream, to read the gradients, which also
 completes the copies of the previous step.
 
-On a CPU-only machine the device is the CPU too; the offloaded state is still separate host tensors,
-copied as on a GPU, so tests run this path. The host step uses torch's default CPU AdamW there, the same
-as the device step on a CPU, so an offloaded run equals a plain one bitwise and a run can switch at a
-checkpoint; with the model on an accelerator it uses torch's fused CPU AdamW (about 3x the default's speed
-on one core). Checkpoints hold the same keys and values either way (optim/distributed_optimizer.py).
+On a CPU-only machine the device is the CPU too; the offloaded state is still separate host tensors, copied as on a
+GPU, so tests run this path. The host step uses torch's default CPU AdamW there, the same as the device step on a
+CPU, so an offloaded run equals a plain one bitwise and a run can switch at a checkpoint; with the model on an
+accelerator it uses torch's fused CPU AdamW (faster than the default). Checkpoints hold the same keys and values
+either way (optim/distributed_optimizer.py).
 """
 
 from __future__ import annotations
