@@ -79,8 +79,8 @@ def _route(router, logits):
             best = sorted(range(c.num_groups), key=lambda g: -strength[g])[:c.group_topk]
             candidates = [e for g in best for e in groups[g]]
         chosen = sorted(candidates, key=lambda e: -float(selection[e]))[:c.topk]
-        if c.score_function == "sigmoid":
-            p = scores[chosen] / scores[chosen].sum()
+        if c.score_function == "sigmoid":  # the chosen scores normalized, unless there is one (Megatron's rule)
+            p = scores[chosen] / scores[chosen].sum() if c.topk > 1 else scores[chosen]
         elif c.pre_softmax:
             p = scores[chosen]
         else:
@@ -101,7 +101,7 @@ def _reference(layer: MoELayer, x: torch.Tensor, capacity_factor=None, batch=2):
     is position t // batch of sequence t % batch."""
     m = layer.router
     logits = x @ m.weight.t()
-    num_tokens, num_experts, topk = logits.shape[0], logits.shape[1], m.topk
+    num_tokens, num_experts, topk = logits.shape[0], logits.shape[1], m.choice.topk
     probs, indices = _route(m, logits)
     keep = torch.ones_like(indices, dtype=torch.bool)
     if capacity_factor is not None:
@@ -149,6 +149,7 @@ def _reference(layer: MoELayer, x: torch.Tensor, capacity_factor=None, batch=2):
 SIGMOID = {"moe_router_score_function": "sigmoid"}
 ROUTER_AND_SHARED_EXPERT_VARIANTS = [
     {**SIGMOID, "moe_router_topk_scaling_factor": 2.5},
+    {**SIGMOID, "moe_router_topk": 1},
     {**SIGMOID, "moe_router_enable_expert_bias": True},
     {**SIGMOID, "moe_router_load_balancing_type": "seq_aux_loss"},
     {"moe_router_load_balancing_type": "seq_aux_loss", "moe_router_pre_softmax": True},

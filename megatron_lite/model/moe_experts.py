@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.mlp import activation
+from megatron_lite.model.moe_token_dispatcher import segment_ids
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 
 
@@ -74,9 +75,7 @@ def _grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tens
 def _padded_by_group(x: torch.Tensor, counts: torch.Tensor, groups: int) -> tuple[torch.Tensor, tuple]:
     """[N, d] rows sorted by group -> [G, longest, d] zero-padded, and the index of each row in it."""
     rows = x.shape[0]
-    starts = counts.cumsum(0) - counts
-    group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts, output_size=rows)
-    position = torch.arange(rows, device=x.device) - starts[group]
+    group, position = segment_ids(counts, rows)
     longest = int(counts.max()) if rows else 0  # the padding's length: a host read
     return x.new_zeros(groups, longest, x.shape[1]).index_put((group, position), x), (group, position)
 

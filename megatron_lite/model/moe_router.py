@@ -178,7 +178,6 @@ class TopKRouter(torch.nn.Module):
         self.choice = RoutingChoice(config.moe_router_topk, config.moe_router_score_function,
                                     config.moe_router_pre_softmax, config.moe_router_topk_scaling_factor,
                                     config.moe_router_num_groups, config.moe_router_group_topk)
-        self.topk = config.moe_router_topk
         self.num_experts = config.num_experts
         self.load_balancing_type = config.moe_router_load_balancing_type
         self.aux_loss_coeff = config.moe_aux_loss_coeff
@@ -213,15 +212,15 @@ class TopKRouter(torch.nn.Module):
         scores = balancing_scores(logits, self.choice.score_function)
         if self.load_balancing_type == "aux_loss":
             counts = self._sum_over_token_groups(local_counts.to(logits.dtype))
-            return load_balancing_loss(scores, counts, num_tokens, self.topk, self.aux_loss_coeff)
+            return load_balancing_loss(scores, counts, num_tokens, self.choice.topk, self.aux_loss_coeff)
         s_local, b = local_shape
         per_sequence = torch.zeros(b, self.num_experts, device=logits.device)  # [b, E]
-        sequence_of = torch.arange(b, device=logits.device).repeat(s_local).repeat_interleave(self.topk)
+        sequence_of = torch.arange(b, device=logits.device).repeat(s_local).repeat_interleave(self.choice.topk)
         per_sequence.index_put_((sequence_of, indices.reshape(-1)), torch.ones_like(sequence_of, dtype=torch.float),
                                 accumulate=True)
         counts = self._sum_over_token_groups(per_sequence)
         return sequence_load_balancing_loss(scores.view(s_local, b, -1), counts, s_local * self.token_split,
-                                            self.topk, self.aux_loss_coeff)
+                                            self.choice.topk, self.aux_loss_coeff)
 
     def _sum_over_token_groups(self, counts: torch.Tensor) -> torch.Tensor:
         counts = counts.clone()
