@@ -150,23 +150,40 @@ TINY_2_LAYERS = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 
                  "log_interval": 1000}
 
 
-def train_with_state(values: dict, world_size: int) -> dict:
-    """Train with the real training step; per-step metrics, final local weights and optimizer state."""
+def build_run(values: dict, world_size: int):
+    """(config, parallel state, device, model chunks, optimizer) built as training.pretrain builds them."""
     config = make_config(values, world_size)
     pstate, device = initialize(config)
     model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
+    return config, pstate, device, model, build_optimizer(config, model, pstate)
+
+
+def train_steps(values: dict, world_size: int):
+    """Train --train-iters steps with the real training step: (model chunks, optimizer, per-step records)."""
+    config, pstate, device, model, optimizer = build_run(values, world_size)
     iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
     history = [train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, i, device)
                for i in range(config.training.train_iters)]
+    return model, optimizer, history
+
+
+def gathered_weights(model) -> dict[str, torch.Tensor]:
+    """Every weight of this rank's chunks, whole (ZeRO-3 gathers them), by global name."""
     weights = {}
     for chunk in model:
         with chunk.gathered_parameters():
             weights.update({name: p.detach().clone() for name, p in chunk.module.named_global_parameters()})
+    return weights
+
+
+def train_with_state(values: dict, world_size: int) -> dict:
+    """Train with the real training step; per-step metrics, final local weights and optimizer state."""
+    model, optimizer, history = train_steps(values, world_size)
+    pstate = model[0].pstate
     state = {key: (value.data.clone(), value.flat_range, value.spec) if isinstance(value, FlatShard) else value
              for key, value in optimizer.sharded_state_dict().items()}
     return {"losses": [h["lm_loss"] for h in history], "norms": [h["grad_norm"] for h in history],
-            "weights": weights, "state": state, "tp": (pstate.tp_rank, pstate.tp_size)}
+            "weights": gathered_weights(model), "state": state, "tp": (pstate.tp_rank, pstate.tp_size)}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,10 +18,9 @@ from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
 from megatron_lite.config import ConfigError, make_config
 from megatron_lite.model.sharding import FlatShard
 from megatron_lite.optim.cpu_offload import offloaded_count
-from megatron_lite.optim.distributed_optimizer import build_optimizer
-from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, pretrain, train_step
+from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks
-from tests.helpers import TINY_2_LAYERS
+from tests.helpers import TINY_2_LAYERS, gathered_weights, train_steps
 
 VALUES = {**TINY_2_LAYERS, "train_iters": 6}
 OFFLOAD = {None: {}, 1.0: {"optimizer_cpu_offload": True},
@@ -36,17 +35,7 @@ RUNS = [(strategy, precision) for strategy in ("no_shard", "optim") for precisio
 def train_offloaded(values: dict, world_size: int) -> dict:
     """Train with the real training step; per-step metrics, final weights, optimizer state, and the optimizer
     bytes held on the device and on the host."""
-    config = make_config(values, world_size)
-    pstate, device = initialize(config)
-    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
-    iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
-    history = [train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, i, device)
-               for i in range(config.training.train_iters)]
-    weights = {}
-    for chunk in model:
-        with chunk.gathered_parameters():
-            weights.update({name: p.detach().clone() for name, p in chunk.module.named_global_parameters()})
+    model, optimizer, history = train_steps(values, world_size)
     state = {key: value.data.clone() if isinstance(value, FlatShard) else value
              for key, value in optimizer.sharded_state_dict().items()}
     model_storages = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.module.parameters()}
@@ -55,7 +44,7 @@ def train_offloaded(values: dict, world_size: int) -> dict:
     host_shares_model_storage = any(m.untyped_storage().data_ptr() in model_storages
                                     for m in (optimizer.host_masters.masters if optimizer.host_masters else []))
     return {"losses": [h["lm_loss"] for h in history], "norms": [h["grad_norm"] for h in history],
-            "skipped": sum(h["skipped_iter"] for h in history), "weights": weights, "state": state,
+            "skipped": sum(h["skipped_iter"] for h in history), "weights": gathered_weights(model), "state": state,
             "device": optimizer.memory_footprint(), "host": optimizer.host_memory_footprint(),
             "stepped": sum(r.stop - r.start for r in optimizer.ranges),
             "offloaded": sum(r.stop - r.start for r in optimizer.host_masters.ranges) if optimizer.host_masters else 0,

@@ -10,13 +10,11 @@ import json
 
 import pytest
 
-import pretrain_gpt
 from megatron_lite.config import make_config
-from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.planning.layouts import offload_fraction_of
 from megatron_lite.planning.state_memory import stage_state_bytes
-from megatron_lite.training import build_model, initialize
 from tests.harness import run_on_ranks
+from tests.helpers import build_run
 from tools import plan_layout
 
 LLAMA = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 96,
@@ -51,10 +49,7 @@ LAYOUTS = {
 
 def built_and_planned(values: dict, world_size: int) -> dict:
     """This rank's allocated bytes of parameters, gradients and optimizer state, beside the planner's."""
-    config = make_config(values, world_size)
-    pstate, device = initialize(config)
-    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
+    config, pstate, _, model, optimizer = build_run(values, world_size)
     held = {"params": 0, "grads": 0}
     for chunk in model:
         for kind, size in chunk.memory_footprint().items():
