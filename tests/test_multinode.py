@@ -109,12 +109,20 @@ def _rank_of(pid: int) -> int:
 
 
 def _alive(pid: int) -> bool:
-    """Running, or stopped; a zombie (exited, not yet reaped by its new parent) counts as gone."""
+    """Any of its threads running or stopped. A process whose main thread has exited shows as a zombie while its
+    other threads still hold its open files (and so its locks); only when every thread is a zombie is it gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def _wait_until(condition, timeout: float, what: str, poll: float = 0.05) -> None:
