@@ -17,23 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
-import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-import pretrain_gpt
 from benchmarks.results_file import record_result
-from megatron_lite.config import make_config
-from megatron_lite.optim.distributed_optimizer import build_optimizer
-from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
+from benchmarks.timed_runs import SHAPE, TimedRun, time_runs
 
-SHAPE = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 344,
-         "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 4096, "seq_length": 128,
-         "max_position_embeddings": 128, "micro_batch_size": 2, "bf16": True, "lr": 1e-3, "eval_interval": 10_000,
-         "log_interval": 10_000}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 CATEGORIES = ("params", "grads", "master", "moments")
 
@@ -45,54 +32,12 @@ def theory_bytes_per_param(strategy: str, d: int) -> dict[str, float]:
             "master": 4 / (d if stage >= 1 else 1), "moments": 8 / (d if stage >= 1 else 1)}
 
 
-class Run:
-    """One strategy's model, optimizer and data on this rank."""
-
-    def __init__(self, strategy: str, world_size: int, steps: int, overlap: bool):
-        flags = {"overlap_grad_reduce": overlap, "overlap_param_gather": overlap and strategy != "no_shard"}
-        self.config = make_config({**SHAPE, **flags, "global_batch_size": 4 * world_size, "train_iters": steps + 1,
-                                   "data_parallel_sharding_strategy": strategy}, world_size)
-        self.pstate, self.device = initialize(self.config)
-        self.model = build_model(self.config, self.pstate, pretrain_gpt.model_provider, self.device)
-        self.optimizer = build_optimizer(self.config, self.model, self.pstate)
-        self.iterator = build_data_iterator(build_datasets(self.config)[0], self.config, self.pstate, 0)
-        self.forward_step = pretrain_gpt.forward_step
-        self.iteration, self.seconds, self.loss = 0, [], None
-
-    def step(self) -> None:
-        dist.barrier()
-        start = time.perf_counter()
-        metrics = train_step(self.forward_step, self.iterator, self.model, self.optimizer, self.config, self.pstate,
-                             self.iteration, self.device)
-        dist.barrier()
-        self.seconds.append(time.perf_counter() - start)
-        self.iteration, self.loss = self.iteration + 1, metrics["lm_loss"]
-
-    def figures(self) -> dict:
-        held = self.optimizer.memory_footprint()
-        for chunk in self.model:
-            held.update(chunk.memory_footprint())
-        numel = sum(p.numel() for chunk in self.model for p in chunk.module.parameters())
-        timed = sorted(self.seconds[1:])  # the first step warms up
-        return {"bytes": held, "numel": numel, "seconds_per_step": timed[len(timed) // 2], "loss": self.loss}
-
-
-def _worker(rank: int, world_size: int, init_file: str, args, results) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    runs = {strategy: Run(strategy, world_size, args.steps, args.overlap) for strategy in STRATEGIES}
-    for _ in range(args.steps + 1):  # interleaved, so that a change of machine load hits every strategy
-        for run in runs.values():
-            run.step()
-    figures = {}
-    for strategy, run in runs.items():
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, run.figures())
-        figures[strategy] = everyone
-    if rank == 0:
-        results.put(figures)
-    dist.destroy_process_group()
+def held_bytes(run: TimedRun) -> dict:
+    """The bytes this rank holds between steps by category, its parameter count, step time and loss."""
+    held = run.optimizer.memory_footprint()
+    for chunk in run.model:
+        held.update(chunk.memory_footprint())
+    return {"bytes": held, "numel": run.local_numel(), "seconds_per_step": run.median_seconds(), "loss": run.loss}
 
 
 def summarize(figures: dict, d: int) -> dict:
@@ -131,14 +76,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--overlap", action="store_true", help="--overlap-grad-reduce and --overlap-param-gather")
     args = parser.parse_args()
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        workers = mp.start_processes(_worker, args=(args.ranks, os.path.join(tmp, "init"), args, results),
-                                     nprocs=args.ranks, start_method="spawn", join=False)
-        figures = results.get()
-        while not workers.join():
-            pass
+    runs = {strategy: {"data_parallel_sharding_strategy": strategy, "overlap_grad_reduce": args.overlap,
+                       "overlap_param_gather": args.overlap and strategy != "no_shard"} for strategy in STRATEGIES}
+    figures = time_runs(runs, args.ranks, args.steps, held_bytes)
     rows = summarize(figures, args.ranks)
     print_table(rows, args.ranks)
     record_result("distributed_optimizer", {"config": SHAPE, "ranks": args.ranks, "steps": args.steps,

@@ -86,6 +86,13 @@ def build_model(config: Config, pstate: ParallelState, model_provider, device) -
 # Data
 
 
+def setup_model_and_optimizer(config: Config, pstate: ParallelState, model_provider,
+                              device) -> tuple[list[DistributedDataParallel], Optimizer]:
+    """This rank's model chunks, wrapped for data parallelism, and the optimizer that steps them."""
+    model = build_model(config, pstate, model_provider, device)
+    return model, build_optimizer(config, model, pstate)
+
+
 def _num_samples(config: Config) -> tuple[int, int, int]:
     """Train, validation and test samples the run reads (evaluation batches are always --global-batch-size)."""
     t = config.training
@@ -328,8 +335,7 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
     c, t = config.checkpoint, config.training
     if pstate.rank == 0:
         print(theoretical_memory_report(config), flush=True)
-    model = build_model(config, pstate, model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
+    model, optimizer = setup_model_and_optimizer(config, pstate, model_provider, device)
     resume = checkpointer.load_checkpoint(model, optimizer) if c.load else ResumeState()
     consumed_samples = resume.consumed_samples
     timers = PhaseTimers(device)

@@ -19,7 +19,6 @@ from megatron_lite.config import make_config
 from megatron_lite.model.gpt import gather_vocab_logits
 from megatron_lite.model.sharding import FlatShard, unshard
 from megatron_lite.optim.data_parallel import DistributedDataParallel
-from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.p2p import TRACE_ENV
@@ -34,6 +33,7 @@ from megatron_lite.training import (
     initialize,
     pretrain,
     reduce_loss,
+    setup_model_and_optimizer,
     train_step,
 )
 from tests.tolerances import assert_close_relative
@@ -154,8 +154,7 @@ def build_run(values: dict, world_size: int):
     """(config, parallel state, device, model chunks, optimizer) built as training.pretrain builds them."""
     config = make_config(values, world_size)
     pstate, device = initialize(config)
-    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    return config, pstate, device, model, build_optimizer(config, model, pstate)
+    return config, pstate, device, *setup_model_and_optimizer(config, pstate, pretrain_gpt.model_provider, device)
 
 
 def train_steps(values: dict, world_size: int):

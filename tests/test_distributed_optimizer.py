@@ -17,17 +17,14 @@ import torch
 
 import pretrain_gpt
 from megatron_lite.config import make_config
-from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.training import (
     build_data_iterator,
     build_datasets,
-    build_model,
-    initialize,
     pretrain,
     train_step,
 )
 from tests.harness import run_on_ranks
-from tests.helpers import TINY_2_LAYERS, train_with_state
+from tests.helpers import TINY_2_LAYERS, build_run, train_with_state
 from tests.tolerances import assert_close_in_norm
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -177,10 +174,8 @@ def memory_of_every_strategy(values: dict, world_size: int) -> dict:
     optimizer, the local parameter count, the number of buckets and the step's loss."""
     out = {}
     for strategy in STRATEGIES:
-        config = make_config({**values, "data_parallel_sharding_strategy": strategy, "bf16": True}, world_size)
-        pstate, device = initialize(config)
-        model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-        optimizer = build_optimizer(config, model, pstate)
+        config, pstate, device, model, optimizer = build_run(
+            {**values, "data_parallel_sharding_strategy": strategy, "bf16": True}, world_size)
         iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
         loss = train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, 0, device)["lm_loss"]
         measured = optimizer.memory_footprint()
@@ -238,10 +233,8 @@ def test_sharded_runs_evaluate_and_log_as_no_shard(tmp_path):
 
 
 def test_zero3_gathers_one_layer_at_a_time_in_forward_and_backward():
-    config = make_config({**TINY_2_LAYERS, "num_layers": 3, "data_parallel_sharding_strategy": "optim_grads_params"}, 1)
-    pstate, device = initialize(config)
-    chunk = build_model(config, pstate, pretrain_gpt.model_provider, device)[0]
-    optimizer = build_optimizer(config, [chunk], pstate)
+    config, pstate, device, (chunk,), optimizer = build_run(
+        {**TINY_2_LAYERS, "num_layers": 3, "data_parallel_sharding_strategy": "optim_grads_params"}, 1)
     layers = list(chunk.module.decoder.layers)
 
     def gathered() -> set[int]:

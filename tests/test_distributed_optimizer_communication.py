@@ -7,24 +7,20 @@ import torch
 import torch.distributed as dist
 
 import pretrain_gpt
-from megatron_lite.config import make_config
-from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.parallel import mappings
-from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
+from megatron_lite.training import build_data_iterator, build_datasets, train_step
 from tests.harness import run_on_ranks
+from tests.helpers import build_run
 
 MICROBATCHES = 4
 
 
 def one_step_of_collectives(overlap_grad_reduce: bool, overlap_param_gather: bool) -> dict:
-    config = make_config({"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "seq_length": 32,
-                          "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": MICROBATCHES * 2,
-                          "train_iters": 2, "use_distributed_optimizer": True, "ddp_bucket_size": 50_000,
-                          "overlap_grad_reduce": overlap_grad_reduce, "overlap_param_gather": overlap_param_gather},
-                         world_size=2)
-    pstate, device = initialize(config)
-    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
+    config, pstate, device, model, optimizer = build_run(
+        {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "seq_length": 32,
+         "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": MICROBATCHES * 2,
+         "train_iters": 2, "use_distributed_optimizer": True, "ddp_bucket_size": 50_000,
+         "overlap_grad_reduce": overlap_grad_reduce, "overlap_param_gather": overlap_param_gather}, world_size=2)
     iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
     chunk = model[0]
     calls = []

@@ -9,21 +9,17 @@ from __future__ import annotations
 import pytest
 
 import pretrain_gpt
-from megatron_lite.config import make_config
 from megatron_lite.host_reads import counted_device_reads
-from megatron_lite.optim.distributed_optimizer import build_optimizer
-from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
+from megatron_lite.training import build_data_iterator, build_datasets, train_step
+from tests.helpers import build_run
 
 
 @pytest.mark.parametrize("extra", [{}, {"bf16": True}, {"fp16": True, "initial_loss_scale": 256.0},
                                    {"use_distributed_optimizer": True}])
 def test_a_training_step_of_four_micro_batches_reads_the_device_once(extra):
-    config = make_config({"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "seq_length": 32,
-                          "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": 4,
-                          "train_iters": 3, **extra})
-    pstate, device = initialize(config)
-    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
+    config, pstate, device, model, optimizer = build_run(
+        {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "seq_length": 32,
+         "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": 4, "train_iters": 3, **extra}, 1)
     iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
     train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, 0, device)
     batches = [next(iterator) for _ in range(config.num_microbatches)]  # read outside the counted step

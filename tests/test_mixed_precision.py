@@ -14,11 +14,10 @@ import torch
 
 import pretrain_gpt
 from megatron_lite.config import ConfigError, make_config
-from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.loss_scaler import DynamicGradScaler
-from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
+from megatron_lite.training import build_data_iterator, build_datasets, train_step
 from tests.harness import run_on_ranks
-from tests.helpers import TINY_2_LAYERS, train_with_state
+from tests.helpers import TINY_2_LAYERS, build_run, train_with_state
 
 FP16 = {**TINY_2_LAYERS, "fp16": True, "initial_loss_scale": 2.0**8}
 
@@ -45,10 +44,7 @@ def _poisoned_forward_step(poison: dict, data_iterator, model):
 
 def train_with_overflows(values: dict, world_size: int, poisoned_steps: set, poisoned_rank: int) -> dict:
     """Train 6 steps, overflowing on `poisoned_rank` at `poisoned_steps`; per step: skipped, scale, weights."""
-    config = make_config(values, world_size)
-    pstate, device = initialize(config)
-    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
+    config, pstate, device, model, optimizer = build_run(values, world_size)
     iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
     poison = {"on": False}
     steps = []

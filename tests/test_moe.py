@@ -23,7 +23,6 @@ from megatron_lite.model.moe import (
 )
 from megatron_lite.model.moe_router import capacity_keep_mask, expert_capacity
 from megatron_lite.model.sharding import initialize_parameters
-from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
 from megatron_lite.training import (
@@ -33,6 +32,7 @@ from megatron_lite.training import (
     initialize,
     train_step,
 )
+from tests.helpers import build_run
 from tests.tolerances import assert_close_relative
 
 BASE = {"model_preset": "mixtral-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
@@ -322,10 +322,8 @@ def test_dropless_moe_training_step_reads_nothing_from_the_device_beyond_the_ste
     their counts on the device: a step reads the loss and gradient norm once, as a dense model's does."""
     if not moe_experts.grouped_mm_runs("cpu", torch.float32):
         pytest.skip("this torch has no torch._grouped_mm on the CPU: the padded fallback reads each group size")
-    config = make_config({**BASE, **variant, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 2})
-    pstate, device = initialize(config)
-    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
+    config, pstate, device, model, optimizer = build_run(
+        {**BASE, **variant, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 2}, 1)
     iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
     batches = [next(iterator) for _ in range(config.num_microbatches)]
     counts: list[str] = []
