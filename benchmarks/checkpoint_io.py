@@ -40,8 +40,13 @@ from megatron_lite.checkpoint.checkpointing import Checkpointer, stored_bytes
 from megatron_lite.checkpoint.planner import SafeFileSystemReader
 from megatron_lite.config import make_config
 from megatron_lite.model.sharding import FlatShard
-from megatron_lite.optim.distributed_optimizer import build_optimizer
-from megatron_lite.training import build_data_iterator, build_datasets, build_model, initialize, train_step
+from megatron_lite.training import (
+    build_data_iterator,
+    build_datasets,
+    initialize,
+    setup_model_and_optimizer,
+    train_step,
+)
 
 WORLD_SIZE = 2
 ROUNDS = 2
@@ -93,8 +98,7 @@ def _rank_main(rank: int, init_file: str, values: dict, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     config = make_config(values, WORLD_SIZE)
     pstate, device = initialize(config)
-    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
+    model, optimizer = setup_model_and_optimizer(config, pstate, pretrain_gpt.model_provider, device)
     train_ds, _, _ = build_datasets(config)
     train_step(pretrain_gpt.forward_step, build_data_iterator(train_ds, config, pstate, 0), model, optimizer,
                config, pstate, 0, device)

@@ -43,7 +43,6 @@ from megatron_lite import training
 from megatron_lite.config import make_config
 from megatron_lite.host_reads import counted_device_reads
 from megatron_lite.model import moe_experts
-from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.parallel import mappings
 
 WARMUP = 2
@@ -118,8 +117,7 @@ def host_reads_per_step(values: dict, world_size: int) -> int:
     """Reads of device values by the host in one training step (the second: the first warms up)."""
     config = make_config({**values, "train_iters": 2}, world_size)
     pstate, device = training.initialize(config)
-    model = training.build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
+    model, optimizer = training.setup_model_and_optimizer(config, pstate, pretrain_gpt.model_provider, device)
     iterator = training.build_data_iterator(training.build_datasets(config)[0], config, pstate, 0)
     training.train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, 0, device)
     batches = [next(iterator) for _ in range(config.num_microbatches)]
