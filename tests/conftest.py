@@ -1,7 +1,13 @@
-"""Session-wide test settings: one thread per process, and the shared gloo worlds closed at the end."""
+"""Session-wide test settings: one thread per process, no launcher's variables, and the shared gloo worlds
+closed at the end."""
 
 import os
 
+# Tests run the entry point inside this process; a suite started under srun or torchrun must not hand it the
+# launcher's rank variables (or make it watch this process's parent).
+for _name in [n for n in os.environ if n.startswith(("SLURM_", "TORCHELASTIC_"))] + [
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"]:
+    os.environ.pop(_name, None)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -48,14 +48,14 @@ def fails_on_every_rank_with_one_line(argv: list[str], expected: str) -> float:
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_fails_on_every_rank_with_one_line(case):
     elapsed = fails_on_every_rank_with_one_line(*CASES[case])
-    assert elapsed < 10, f"took {elapsed:.1f}s"
+    assert elapsed < 30, f"took {elapsed:.1f}s"
 
 
 def test_a_yaml_string_for_a_switch_fails_on_every_rank_with_one_line(tmp_path):
     (tmp_path / "run.yaml").write_text('model_preset: llama-tiny\nmock_data: "false"\n')
     elapsed = fails_on_every_rank_with_one_line(["--config", str(tmp_path / "run.yaml")],
                                                 "mock_data must be true or false")
-    assert elapsed < 10, f"took {elapsed:.1f}s"
+    assert elapsed < 30, f"took {elapsed:.1f}s"
 
 
 def _write_pair(prefix, tokens: np.ndarray, idx_dtype_code: int) -> None:

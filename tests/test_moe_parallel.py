@@ -3,7 +3,8 @@
 EP 1, 2 and 4 (with expert-data-parallel replicas), EP2 x TP2 with and without sequence parallelism,
 EP2 x PP2, EP4 over DP2 x CP2, the allgather dispatcher, and EP2 with the distributed optimizer and full
 recomputation; and a model with a gated shared expert, sigmoid routing with an expert bias, group-limited
-routing and the per-sequence aux loss on EP2 x TP2 x SP, EP4 x CP2 and EP2 x PP2 x ZeRO-2: the losses of
+routing and the per-sequence aux loss on EP2 x TP2 x SP, EP4 x CP2, EP2 x PP2 x ZeRO-2 and EP2 x PP2 under the
+ZB-H1 schedule (its backward split into input and weight passes around the experts' grouped GEMM): the losses of
 10 steps and the logged aux loss, z-loss and tokens per expert equal the single-device run's, and so do
 the first step's gradients of every router, expert and shared-expert weight (later steps' weights differ
 by Adam-amplified rounding; sharded gradients are not compared). With a capacity factor the same token
@@ -56,6 +57,8 @@ MODERN_LAYOUTS = {
     "modern_ep4_cp2": LAYOUTS["ep4_cp2"],
     "modern_ep2_pp2_zero2": {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                              "data_parallel_sharding_strategy": "optim_grads"},
+    "modern_ep2_pp2_zb_h1": {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                             "pipeline_schedule": "zb-h1"},
 }
 SHARDED_GRADS = {"ep2_zero2_recompute", "modern_ep2_pp2_zero2"}  # gradients live as data-parallel shards: losses only
 CAPACITY_LAYOUTS = ("ep4", "ep2_tp2_sp", "ep2_pp2", "ep2_allgather", "ep4_cp2")

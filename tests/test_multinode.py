@@ -134,11 +134,14 @@ def _wait_until(condition, timeout: float, what: str, poll: float = 0.05) -> Non
 
 
 def _losses(path) -> dict[int, float]:
-    """lm loss per iteration from a --metrics-jsonl file; the later record of a re-logged iteration counts."""
+    """lm loss per iteration from a --metrics-jsonl file; the later record of a re-logged iteration counts. The
+    logging rank may be writing its last line as it is read: a line without its newline is not complete yet."""
     losses = {}
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
+                if not line.endswith("\n"):
+                    break
                 record = json.loads(line)
                 if "lm_loss" in record:
                     losses[record["iteration"]] = record["lm_loss"]
@@ -186,7 +189,7 @@ def test_two_agents_of_two_ranks_train_as_one_process(tmp_path, layout):
 @pytest.mark.slow
 def test_a_killed_rank_restarts_the_group_which_resumes_with_the_losses_of_an_uninterrupted_run(tmp_path):
     save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "run.jsonl")
-    argv = TINY + ["--global-batch-size", "4", "--train-iters", "30"]
+    argv = TINY + ["--global-batch-size", "4", "--train-iters", "100"]
     reference = _single_process_losses(tmp_path, argv)
     checkpointing = ["--save", save, "--load", save, "--save-interval", "4", "--metrics-jsonl", metrics]
     agents = Agents(tmp_path, argv + checkpointing, torchrun_args=("--max-restarts", "1"))
@@ -206,7 +209,7 @@ def test_a_killed_rank_restarts_the_group_which_resumes_with_the_losses_of_an_un
     drops = [i for i in range(1, len(logged)) if logged[i] <= logged[i - 1]]
     assert len(drops) <= 1, logged
     restart = drops[0] if drops else resumed_at  # where the restarted group's records begin
-    assert logged[:restart] == list(range(1, restart + 1)) and logged[restart:] == list(range(resumed_at + 1, 31))
+    assert logged[:restart] == list(range(1, restart + 1)) and logged[restart:] == list(range(resumed_at + 1, 101))
     # the newest complete checkpoint at the restart: at least the one seen before the kill, at most one interval back
     assert killed_after <= resumed_at <= restart <= resumed_at + 4, (killed_after, logged)
     assert _losses(metrics) == pytest.approx(reference, rel=1e-5)
@@ -244,7 +247,7 @@ def test_workers_exit_within_seconds_when_their_launcher_is_killed(tmp_path):
 
 def test_a_stopped_rank_on_one_node_ends_the_job_on_the_other_within_the_timeout(tmp_path):
     metrics = str(tmp_path / "run.jsonl")
-    argv = TINY + ["--global-batch-size", "4", "--train-iters", "100000", "--distributed-timeout-minutes", "0.05",
+    argv = TINY + ["--global-batch-size", "4", "--train-iters", "100000", "--distributed-timeout-minutes", "0.2",
                    "--metrics-jsonl", metrics]
     agents = Agents(tmp_path, argv)
     try:
@@ -257,7 +260,7 @@ def test_a_stopped_rank_on_one_node_ends_the_job_on_the_other_within_the_timeout
     finally:
         agents.kill_all()
     assert code != 0
-    assert elapsed < 30, f"the other node took {elapsed:.0f} s to end"  # 3 s timeout, then torchrun's teardown
+    assert elapsed < 45, f"the other node took {elapsed:.0f} s to end"  # 12 s timeout, then torchrun's teardown
     lines = _error_lines(agents.log(0))
     assert len(lines) == 1, agents.log(0)[-2000:]
     assert lines[0].startswith(f"error (rank {survivor_rank}): ") and "--distributed-timeout-minutes" in lines[0]
@@ -296,6 +299,9 @@ def test_a_collective_cut_short_by_a_dead_peer_is_one_line_naming_its_address():
                         "typically caused by a remote worker crashing.")
     assert str(lifecycle.as_peer_lost_error(gloo)) == ("another rank died during a collective (Connection closed by "
                                                        "peer [10.0.0.7]:18590)")
+    pipe = RuntimeError("[gloo/transport/tcp/pair.cc:560] writev [10.0.0.7]:18590: Broken pipe")
+    assert str(lifecycle.as_peer_lost_error(pipe)) == ("another rank died during a collective ([10.0.0.7]:18590: "
+                                                       "Broken pipe)")
     assert lifecycle.as_peer_lost_error(RuntimeError("CUDA out of memory")) is None
 
 

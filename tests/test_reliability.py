@@ -36,6 +36,7 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_thirty_finished_two_rank_runs_all_exit_zero():
     failures = []
     for attempt in range(30):
@@ -64,7 +65,7 @@ def test_a_diverging_run_stops_before_the_bad_step_and_keeps_the_last_good_check
 
 
 def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout():
-    process = _torchrun(TINY + ["--train-iters", "100000", "--distributed-timeout-minutes", "0.05"])
+    process = _torchrun(TINY + ["--train-iters", "100000", "--distributed-timeout-minutes", "0.2"])
     workers = []
     try:
         for line in process.stdout:
@@ -74,7 +75,7 @@ def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout():
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
-        _, stderr = process.communicate(timeout=90)
+        _, stderr = process.communicate(timeout=150)
         elapsed = time.monotonic() - stopped_at
     finally:
         process.kill()
@@ -82,7 +83,7 @@ def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert process.returncode != 0
-    assert elapsed < 60, f"the run took {elapsed:.0f} s to end"
+    assert elapsed < 80, f"the run took {elapsed:.0f} s to end"
     lines = _error_lines(stderr)
     assert len(lines) == 1 and "--distributed-timeout-minutes" in lines[0], stderr[-2000:]
 

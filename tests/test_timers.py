@@ -22,8 +22,8 @@ def test_phase_timers_sum_each_phase_until_read_and_count_blocked_reads_as_data_
 
     assert list(timers.timed_iterator(slow_source())) == ["batch"]
     first = timers.read()
-    assert 40 <= first["time_optimizer_ms"] < 200
-    assert 30 <= first["time_data_wait_ms"] < 200
+    assert 40 <= first["time_optimizer_ms"] < 2000
+    assert 30 <= first["time_data_wait_ms"] < 2000
     assert first["time_forward_backward_ms"] == first["time_grad_reduce_ms"] == 0
     assert set(timers.read().values()) == {0.0}
 

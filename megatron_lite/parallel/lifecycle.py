@@ -113,7 +113,8 @@ def as_timeout_error(error: BaseException, timeout_minutes: float) -> Collective
 def as_peer_lost_error(error: BaseException) -> PeerLostError | None:
     """The one-line form of gloo's error when the rank at the other end of a collective died (with that rank's
     address), or None."""
-    lost = re.search(r"(\[[^\]]*\]:\d+: )?Connection (reset|closed) by peer( \[[^\]]*\]:\d+)?", str(error))
+    lost = re.search(r"(\[[^\]]*\]:\d+: )?(Connection (reset|closed) by peer|Broken pipe)( \[[^\]]*\]:\d+)?",
+                     str(error))
     if not isinstance(error, RuntimeError) or lost is None:
         return None
     return PeerLostError(f"another rank died during a collective ({lost.group(0)})")
