@@ -65,27 +65,29 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_
 # 1F1B
 
 
-def forward_backward_pipelining_without_interleaving(forward_step_func, data_iterator, model,
-                                                     num_microbatches: int, *, pstate, config,
-                                                     forward_only: bool = False, loss_scale: float = 1.0,
-                                                     stats: ScheduleStats | None = None):
-    """1F1B (PipeDream-Flush): warm-up forwards, then alternate one forward and one backward, then cool down.
+def _warmup_forwards(pstate, num_microbatches: int) -> int:
+    """Forwards stage p of P runs before its first backward: P - p - 1, or all m micro-batches if fewer."""
+    return min(pstate.pp_size - pstate.pp_rank - 1, num_microbatches)
 
-    Stage p runs min(P - p - 1, m) warm-up forwards; each steady-state step sends its output while
-    receiving the gradient of its oldest micro-batch, so at most P - p micro-batches are live.
+
+def _one_forward_one_backward(run: MicroBatchRunner, comm, data_iterator, num_microbatches: int,
+                              backward_and_send) -> None:
+    """1F1B's order of passes on one stage, which 1F1B and ZB-H1 share: warm-up forwards; then steps of one
+    forward, its output sent while the gradient of the oldest micro-batch is received, and that micro-batch's
+    backward; then the cool-down backwards of the micro-batches left.
+
+    `backward_and_send(mb, input, output, output_grad, next_forward_mb)` backpropagates micro-batch `mb` and
+    sends its input gradient back, receiving with it the input of micro-batch `next_forward_mb` (None in the
+    last steady step and the cool-down), which it returns. The two schedules differ only there.
     """
-    model = model if isinstance(model, list) else [model]
-    stats = stats if stats is not None else ScheduleStats()
-    run = MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
-                            stats=stats)
-    comm = stage_communicator(model, pstate, config)
-    num_warmup = num_microbatches if forward_only else min(pstate.pp_size - pstate.pp_rank - 1, num_microbatches)
-    num_steady = num_microbatches - num_warmup
+    m = num_microbatches
+    num_warmup = m if run.forward_only else _warmup_forwards(run.pstate, m)
+    num_steady = m - num_warmup
     saved: list[tuple] = []  # (input, output) of micro-batches whose backward is still to run, oldest first
 
     for mb in range(num_warmup):
         input_and_output = receive_forward_send(run, comm, mb, data_iterator)
-        if not forward_only:
+        if not run.forward_only:
             saved.append(input_and_output)
 
     input_tensor = comm.recv_forward((num_warmup, 0)) if num_steady else None
@@ -95,21 +97,40 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
         output_grad = comm.send_forward_recv_backward(output, (forward_mb, 0), (backward_mb, 0))
         saved.append((input_tensor, output))
         input_tensor, output = saved.pop(0)
-        input_grad = run.backward(0, backward_mb, input_tensor, output, output_grad,
-                                  backward_mb == num_microbatches - 1)
-        if step == num_steady - 1:
-            input_tensor = None
-            comm.send_backward(input_grad, (backward_mb, 0))
-        else:
-            input_tensor = comm.send_backward_recv_forward(input_grad, (backward_mb, 0), (forward_mb + 1, 0))
+        next_forward_mb = forward_mb + 1 if step < num_steady - 1 else None
+        input_tensor = backward_and_send(backward_mb, input_tensor, output, output_grad, next_forward_mb)
 
-    if not forward_only:
-        for backward_mb in range(num_steady, num_microbatches):
+    if not run.forward_only:
+        for backward_mb in range(num_steady, m):
             input_tensor, output = saved.pop(0)
             output_grad = comm.recv_backward((backward_mb, 0))
-            input_grad = run.backward(0, backward_mb, input_tensor, output, output_grad,
-                                      backward_mb == num_microbatches - 1)
-            comm.send_backward(input_grad, (backward_mb, 0))
+            backward_and_send(backward_mb, input_tensor, output, output_grad, None)
+
+
+def forward_backward_pipelining_without_interleaving(forward_step_func, data_iterator, model,
+                                                     num_microbatches: int, *, pstate, config,
+                                                     forward_only: bool = False, loss_scale: float = 1.0,
+                                                     stats: ScheduleStats | None = None):
+    """1F1B (PipeDream-Flush): warm-up forwards, then alternate one forward and one backward, then cool down.
+
+    Stage p runs min(P - p - 1, m) warm-up forwards; each steady-state step sends its output while
+    receiving the gradient of its oldest micro-batch, so at most P - p micro-batches are live. A backward
+    is whole, and its input gradient goes back with the receive of the next input in one exchange.
+    """
+    model = model if isinstance(model, list) else [model]
+    stats = stats if stats is not None else ScheduleStats()
+    run = MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
+                            stats=stats)
+    comm = stage_communicator(model, pstate, config)
+
+    def backward_and_send(mb: int, input_tensor, output, output_grad, next_forward_mb: int | None):
+        input_grad = run.backward(0, mb, input_tensor, output, output_grad, mb == num_microbatches - 1)
+        if next_forward_mb is None:
+            comm.send_backward(input_grad, (mb, 0))
+            return None
+        return comm.send_backward_recv_forward(input_grad, (mb, 0), (next_forward_mb, 0))
+
+    _one_forward_one_backward(run, comm, data_iterator, num_microbatches, backward_and_send)
     return run.finish()
 
 
@@ -151,11 +172,12 @@ def forward_backward_pipelining_zero_bubble(forward_step_func, data_iterator, mo
                                             stats: ScheduleStats | None = None):
     """ZB-H1 (Qi et al. 2023): 1F1B whose backwards send the input gradient after B alone, the W passes delayed.
 
-    Stage p runs 1F1B's P - p - 1 warm-up forwards; in its first p steady steps (forward, B) it leaves
-    the W passes for later, and from then on runs the oldest waiting W after each B, so at most P
-    micro-batches wait for their W on any stage (1F1B: P - p, the same P on the first stage, the one
-    that holds the most). The p W passes still waiting at the end fill the cool-down, where 1F1B's stage
-    p idles waiting for gradients. Forward-only runs are 1F1B's.
+    The order of forwards and backwards (B) is 1F1B's. Stage p runs 1F1B's P - p - 1 warm-up forwards; in
+    its first p steady steps (forward, B) it leaves the W passes for later, and from then on runs the oldest
+    waiting W after each B, while B's gradient and the next input travel, so at most P micro-batches wait
+    for their W on any stage (1F1B: P - p, the same P on the first stage, the one that holds the most). The
+    p W passes still waiting at the end fill the cool-down, where 1F1B's stage p idles waiting for
+    gradients. Forward-only runs are 1F1B's.
     """
     if forward_only:
         return forward_backward_pipelining_without_interleaving(
@@ -167,50 +189,33 @@ def forward_backward_pipelining_zero_bubble(forward_step_func, data_iterator, mo
                             stats=stats)
     comm = stage_communicator(model, pstate, config)
     m = num_microbatches
-    num_warmup = min(pstate.pp_size - pstate.pp_rank - 1, m)
-    num_steady = m - num_warmup
-    saved: list[tuple] = []  # (input, output) of micro-batches whose B is still to run, oldest first
+    # The B of micro-batches before this one leave their W waiting: the first p steady steps' (fewer when
+    # there are fewer steady steps); every later B, the cool-down's included, is followed by the oldest W.
+    first_followed_by_weight = min(pstate.pp_rank, m - _warmup_forwards(pstate, m))
     waiting: list[tuple] = []  # (micro-batch, W pass) whose W is still to run, oldest first
 
-    def send_backward_and_weight_pass(input_grad, backward_mb: int, recv_forward_mb: int | None, weight: bool):
-        """Send B's gradient back and post the receive of the next input, run the oldest W while they travel,
-        then wait for both; returns the next input (None on the first stage or without one)."""
+    def run_oldest_weight_pass():
+        mb, weight_pass = waiting.pop(0)
+        run.backward_weight(0, mb, weight_pass, mb == m - 1)
+
+    def backward_and_send(mb: int, input_tensor, output, output_grad, next_forward_mb: int | None):
+        """B, then send its gradient back and post the receive of the next input, run the oldest W while
+        they travel, and wait for both; returns the next input (None on the first stage or without one)."""
+        input_grad, weight_pass = run.backward_input(0, mb, input_tensor, output, output_grad)
+        waiting.append((mb, weight_pass))
         first = pstate.is_first_stage
-        recv = None if first or recv_forward_mb is None else (recv_forward_mb, 0)
-        next_input, _, handles = comm.post(send_prev=None if first else input_grad, send_prev_label=(backward_mb, 0),
+        recv = None if first or next_forward_mb is None else (next_forward_mb, 0)
+        next_input, _, handles = comm.post(send_prev=None if first else input_grad, send_prev_label=(mb, 0),
                                            recv_prev=recv)
-        if weight:
-            mb, pending = waiting.pop(0)
-            run.backward_weight(0, mb, pending, mb == m - 1)
+        if mb >= first_followed_by_weight:
+            run_oldest_weight_pass()
         for handle in handles:
             handle.wait()
         return next_input
 
-    for mb in range(num_warmup):
-        saved.append(receive_forward_send(run, comm, mb, data_iterator))
-
-    input_tensor = comm.recv_forward((num_warmup, 0)) if num_steady else None
-    for step in range(num_steady):
-        forward_mb, backward_mb = num_warmup + step, step
-        output = run.forward(0, forward_mb, input_tensor, data_iterator)
-        output_grad = comm.send_forward_recv_backward(output, (forward_mb, 0), (backward_mb, 0))
-        saved.append((input_tensor, output))
-        input_tensor, output = saved.pop(0)
-        input_grad, pending = run.backward_input(0, backward_mb, input_tensor, output, output_grad)
-        waiting.append((backward_mb, pending))
-        input_tensor = send_backward_and_weight_pass(input_grad, backward_mb,
-                                                     None if step == num_steady - 1 else forward_mb + 1,
-                                                     step >= pstate.pp_rank)
-
-    for backward_mb in range(num_steady, m):
-        input_tensor, output = saved.pop(0)
-        output_grad = comm.recv_backward((backward_mb, 0))
-        input_grad, pending = run.backward_input(0, backward_mb, input_tensor, output, output_grad)
-        waiting.append((backward_mb, pending))
-        send_backward_and_weight_pass(input_grad, backward_mb, None, True)
+    _one_forward_one_backward(run, comm, data_iterator, m, backward_and_send)
     while waiting:
-        mb, pending = waiting.pop(0)
-        run.backward_weight(0, mb, pending, mb == m - 1)
+        run_oldest_weight_pass()
     return run.finish()
 
 
