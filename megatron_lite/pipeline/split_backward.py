@@ -38,15 +38,21 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
 class WeightGradientPass:
-    """The W of one micro-batch: run() accumulates its weight gradients into the parameters' .grad."""
+    """The W of one micro-batch: run() accumulates its weight gradients into the parameters' .grad.
+
+    The calls reach disjoint parts of the graph (each group's boundary nodes and what lies behind them on the
+    weight side), so each frees what its nodes saved as it runs, as a plain backward does. Kept, a first
+    stage's graph (its W is the whole backward) outlives the W while anything still refers to the stage's
+    output, with every activation it saved.
+    """
 
     def __init__(self, calls: list[tuple[list, list, list]]):
         self.calls = calls  # (roots, their gradients, parameters): one autograd call each
 
     def run(self) -> None:
         for roots, grads, params in self.calls:
-            torch.autograd.backward(roots, grads, inputs=params, retain_graph=True)
-        self.calls = []  # dropping the roots frees the micro-batch's graph
+            torch.autograd.backward(roots, grads, inputs=params)
+        self.calls = []  # dropping the roots frees the rest of the micro-batch's graph
 
 
 def backward_input(output: torch.Tensor, output_grad: torch.Tensor | None, input_tensor: torch.Tensor | None,
