@@ -10,12 +10,15 @@ optimizer and runs one training step to warm up; then
     so the peak is what the forward and backward passes allocated on top of what existed before them),
     against planning.activation_memory.stage_activation_bytes.
 Prints the largest relative error per layout and appends everything to benchmarks/results/plan_accuracy.jsonl.
+Under zb-h1 the table also shows every stage's measured and planned peak: stages differ in how many weight
+gradient passes wait at once.
 
-    python -m benchmarks.plan_accuracy
+    python -m benchmarks.plan_accuracy [--shapes NAME ...] [--layouts NAME ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import pretrain_gpt
@@ -51,6 +54,8 @@ LAYOUTS = {
     "tp2_sp_dp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True, "global_batch_size": 8},
     "pp2_dp2_1f1b_m4": {"pipeline_model_parallel_size": 2, "global_batch_size": 16},
     "pp4_1f1b_m4": {"pipeline_model_parallel_size": 4, "global_batch_size": 8},
+    "pp2_dp2_zb-h1_m4": {"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1", "global_batch_size": 16},
+    "pp4_zb-h1_m4": {"pipeline_model_parallel_size": 4, "pipeline_schedule": "zb-h1", "global_batch_size": 8},
     "pp2_vp2_dp2_m4": {"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
                        "global_batch_size": 16},
     "cp2_dp2": {"context_parallel_size": 2, "global_batch_size": 8},
@@ -102,11 +107,19 @@ def relative_error(planned: int, measured: int) -> float:
     return abs(planned - measured) / measured if measured else float(planned != 0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES), metavar="NAME",
+                        help=f"model shapes to run, of {', '.join(SHAPES)}")
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), metavar="NAME",
+                        help=f"layouts to run, of {', '.join(LAYOUTS)}")
+    args = parser.parse_args(argv)
     rows = []
     print(f"{'shape':<20} {'layout':<30} {'state err':>10} {'act err':>8} {'act MiB meas/plan (worst rank)':>32}")
-    for shape_name, shape in SHAPES.items():
-        for layout_name, layout in LAYOUTS.items():
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        for layout_name in args.layouts:
+            layout = LAYOUTS[layout_name]
             ranks = run_on_ranks(4, measure, {**shape, **RUN, **layout}, 4)
             state_error = max(relative_error(r["planned"][k], r["built"][k]) for r in ranks for k in r["built"])
             worst = max(ranks, key=lambda r: relative_error(r["activation_peak"]["planned"],
@@ -115,13 +128,19 @@ def main() -> None:
             act_error = relative_error(act["planned"], act["measured"])
             print(f"{shape_name:<20} {layout_name:<30} {state_error:>10.2e} {act_error:>8.3f} "
                   f"{act['measured'] / 2**20:>15.2f}/{act['planned'] / 2**20:.2f}", flush=True)
+            if layout.get("pipeline_schedule") == "zb-h1":
+                stages = {r["pp_rank"]: r["activation_peak"] for r in ranks}
+                print("    per stage, MiB measured/planned: " + ", ".join(
+                    f"stage {p} {peak['measured'] / 2**20:.2f}/{peak['planned'] / 2**20:.2f}"
+                    for p, peak in sorted(stages.items())), flush=True)
             rows.append({"shape": shape_name, "layout": layout_name, "flags": layout, "ranks": ranks,
                          "state_max_relative_error": state_error, "activation_max_relative_error": act_error})
     worst_state = max(row["state_max_relative_error"] for row in rows)
     worst_act = max(row["activation_max_relative_error"] for row in rows)
     print(f"worst: parameters/gradients/optimizer {worst_state:.2e}, peak activations {worst_act:.3f} "
           f"({len(rows)} layouts x 4 ranks)")
-    record_result("plan_accuracy", {"shapes": SHAPES, "run": RUN, "layouts": rows,
+    record_result("plan_accuracy", {"shapes": {name: SHAPES[name] for name in args.shapes}, "run": RUN,
+                                    "layouts": rows,
                                     "worst_state_relative_error": worst_state,
                                     "worst_activation_relative_error": worst_act}, sys.argv)
 
