@@ -2,7 +2,8 @@
 allocate on every rank (tiny models in 4-rank worlds: TP+SP, PP with tied and untied embeddings, virtual
 stages, MoE with EP, every ZeRO stage, small buckets so that padding shows, optimizer state offloaded to the
 host); a layout that cannot fit is
-refused naming the rank and the bytes over; --json lists valid layouts fastest first."""
+refused naming the rank and the bytes over; --json lists valid layouts fastest first. Under zb-h1 the gradients a
+waiting weight-gradient pass holds, and how many passes wait at once, are those of a real run on every stage."""
 
 from __future__ import annotations
 
@@ -10,9 +11,15 @@ import json
 
 import pytest
 
+import pretrain_gpt
 from megatron_lite.config import make_config
+from megatron_lite.pipeline import split_backward
+from megatron_lite.pipeline.layer_split import model_chunk_plans
+from megatron_lite.pipeline.microbatch import ScheduleStats
+from megatron_lite.planning.activation_memory import waiting_weight_passes, weight_pass_bytes
 from megatron_lite.planning.layouts import offload_fraction_of
 from megatron_lite.planning.state_memory import stage_state_bytes
+from megatron_lite.training import build_data_iterator, build_datasets, get_schedule
 from tests.harness import run_on_ranks
 from tests.helpers import build_run
 from tools import plan_layout
@@ -148,3 +155,67 @@ def test_a_given_schedule_applies_to_pipelined_layouts_only_and_a_flag_every_lay
     assert plan_layout.main([*flags, "--optimizer-offload-fraction", "0.5"]) == 2
     assert capsys.readouterr().err.strip() == (
         "plan_layout.py: error: --optimizer-offload-fraction 0.5 needs --optimizer-cpu-offload")
+
+
+ZB_H1_LAYOUTS = {
+    "pp4_llama_bf16_m4": {**LLAMA, "pipeline_model_parallel_size": 4, "pipeline_schedule": "zb-h1", "bf16": True,
+                          "global_batch_size": 4},
+    "pp4_llama_fp32_m2": {**LLAMA, "pipeline_model_parallel_size": 4, "pipeline_schedule": "zb-h1",
+                          "global_batch_size": 2},
+    "tp2_sp_pp2_gpt_biases_m4": {**GPT, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                 "pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1",
+                                 "global_batch_size": 4},
+}
+
+
+def weight_passes_held_and_planned(values: dict, world_size: int) -> dict:
+    """One zb-h1 step on this rank: the bytes of the gradients each W pass holds while it waits (distinct
+    storages), the most W passes waiting at once (from the timeline), and the planner's figures for both."""
+    config, pstate, _, model, optimizer = build_run(values, world_size)
+    held = []
+    backward_input = split_backward.backward_input
+
+    def recording(*args):
+        input_grad, weight_pass = backward_input(*args)
+        storages = {grad.untyped_storage().data_ptr(): grad.untyped_storage().nbytes()
+                    for _, grads, _ in weight_pass.calls for grad in grads}
+        held.append(sum(storages.values()))
+        return input_grad, weight_pass
+
+    stats = ScheduleStats()
+    split_backward.backward_input = recording
+    try:
+        iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
+        get_schedule(config)(pretrain_gpt.forward_step, iterator, model, config.num_microbatches, pstate=pstate,
+                             config=config, loss_scale=optimizer.loss_scale, stats=stats)
+    finally:
+        split_backward.backward_input = backward_input
+    waiting = most_waiting = 0
+    for kind, *_ in stats.events:
+        waiting += {"B": 1, "W": -1}.get(kind, 0)
+        most_waiting = max(most_waiting, waiting)
+    pp = config.parallel.pipeline_model_parallel_size
+    return {"held": held, "most_waiting": most_waiting,
+            "planned": weight_pass_bytes(config, model_chunk_plans(config, pstate.pp_rank)[0]),
+            "planned_waiting": waiting_weight_passes(pp, pstate.pp_rank, config.num_microbatches)}
+
+
+@pytest.mark.parametrize("name", ZB_H1_LAYOUTS)
+def test_zb_h1_plans_the_gradients_waiting_weight_passes_hold_on_every_stage(name):
+    results = run_on_ranks(4, weight_passes_held_and_planned, ZB_H1_LAYOUTS[name], 4)
+    for rank, result in enumerate(results):
+        assert result["held"] and set(result["held"]) == {result["planned"]}, f"rank {rank}"
+        assert result["most_waiting"] == result["planned_waiting"], f"rank {rank}"
+
+
+def test_zb_h1_weight_pass_bytes_by_hand():
+    # Llama fp32, 4 layers on PP2 (2 per stage), s = 32, b = 1: 32 tokens. Per layer: two RMSNorm output
+    # gradients in fp32 (2 x 32 x 64 x 4), and the grad_output of QKV ((4 + 2 x 2) x 16 = 128 wide), of the
+    # output projection (64), of fc1 (2 x 96 for SwiGLU) and of fc2 (64), 4 bytes each. The last stage adds the
+    # final norm's (32 x 64 x 4) and the output layer's (vocabulary 250 padded to 256). The first stage holds
+    # the gradient it received, [32, 1, 64] in fp32.
+    config = make_config({**LLAMA, "pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"}, 2)
+    layer = 2 * 32 * 64 * 4 + 32 * 4 * (128 + 64 + 192 + 64)
+    first, last = (weight_pass_bytes(config, model_chunk_plans(config, p)[0]) for p in (0, 1))
+    assert first == 32 * 64 * 4
+    assert last == 2 * layer + 32 * 64 * 4 + 32 * 256 * 4

@@ -25,18 +25,20 @@ recomputation drops the attention's log-sum-exp (the other tensors it would free
 neighbouring layers anyway). A stage other than the first keeps its received input (bf16/fp16: beside the
 first norm's fp32 copy), one other than the last its output, until the micro-batch's backward.
 
-In flight: no pipelining 1 micro-batch; 1F1B min(P - p, m) on stage p; GPipe m; interleaved 1F1B min(2 (P - p
-- 1) + (v - 1) P + 1, m v) chunk micro-batches of L / (P v) layers each (schedules.py's warm-up counts plus
-the one in its steady state); ZB-H1 min(P, m) on every stage: a micro-batch's graph, with everything it saved,
-lives until its weight-gradient pass (pipeline/split_backward.py), and up to P micro-batches wait for theirs
-(the schedule's bound, tests/test_pipeline_schedule_choice.py). The loss's tensors are live for one
-micro-batch at a time (GPipe: m). The peak is the larger of the forward's (everything held, plus the logits
-beside the loss) and the backward's, measured inside the MLP backward of the stage's last layer: the loss's
-tensors of the micro-batch being backpropagated freed; a recomputed unit rebuilt; the residual stream's
-gradient, the MLP's gradients less the activation they free (_backward_gradients); on a single stage with tied
-embeddings the output layer's weight gradient, which waits for the embedding's. ZeRO-2/3 add their temporary
-buffers (_zero_buffers): a bucket's fp32 gradients while it fills, and under ZeRO-3 the gathered parameters of
-the chunk's own unit and of the layer in use.
+In flight: no pipelining 1 micro-batch; 1F1B min(P - p, m) on stage p; GPipe m; interleaved 1F1B min(2 (P - p -
+1) + (v - 1) P + 1, m v) chunk micro-batches of L / (P v) layers each (schedules.py's warm-up counts plus the one
+in its steady state); ZB-H1 min(P, m) on every stage: a micro-batch's graph, with everything it saved, lives
+until its weight-gradient pass (pipeline/split_backward.py), and up to P micro-batches wait for theirs (the
+schedule's bound, tests/test_pipeline_schedule_choice.py). A waiting W pass also holds the gradients B recorded
+for it, which 1F1B frees as its backward goes (weight_pass_bytes): up to p + 1 of them on stage p, the last
+stage's with its logits' gradient. The loss's tensors are live for one micro-batch at a time (GPipe: m; ZB-H1:
+two during a forward, as B keeps them until the loss is dropped after the next forward). The peak is the larger
+of the forward's (everything held, plus the logits beside the loss) and the backward's, measured inside the MLP
+backward of the stage's last layer: the loss's tensors of the micro-batch being backpropagated freed; a
+recomputed unit rebuilt; the residual stream's gradient, the MLP's gradients less the activation they free
+(_backward_gradients); on a single stage with tied embeddings the output layer's weight gradient, which waits for
+the embedding's. ZeRO-2/3 add their temporary buffers (_zero_buffers): a bucket's fp32 gradients while it fills,
+and under ZeRO-3 the gathered parameters of the chunk's own unit and of the layer in use.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class ActivationBytes:
 
     per_microbatch: int  # saved by one micro-batch through all of this stage's layers (and the loss, last stage)
     in_flight: float  # micro-batches (of the whole stage) the schedule holds at once
-    transient: int  # on top at the peak: logits beside the loss, or a recomputed unit and backward's gradients
+    transient: int  # on top at the peak: logits beside the loss, or a recomputed unit and backward's gradients;
+    # under zb-h1 also what the waiting W passes hold and a second micro-batch's loss tensors
     peak: int
 
 
@@ -207,9 +210,19 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
         in_flight, head_live = 1, 1
     zero_forward, zero_backward = _zero_buffers(config, chunks)
     layers_held = in_flight * sum(chunk_saved)
-    forward_peak = layers_held + head_live * head_saved + head_transient + zero_forward
-    backward_peak = (layers_held + (head_live - 1) * head_saved + rebuild + _backward_gradients(config)
-                     + _tied_weight_gradient(config, chunks) + zero_backward)
+    backward_transient = (rebuild + _backward_gradients(config) + _tied_weight_gradient(config, chunks)
+                          + zero_backward)
+    waiting, weight_pass, forward_heads, backward_heads = 0, 0, head_live, head_live - 1
+    if schedule == "zb-h1":
+        # Forwards and B run with one fewer W waiting than the most; that most is reached when a B ends, its
+        # own W pass complete and the backward's transients gone.
+        waiting, weight_pass = waiting_weight_passes(pp, pp_rank, micro) - 1, weight_pass_bytes(config, chunks[0])
+        # B keeps the graph for W, so the loss's tensors (not W's) stay through B and until the schedule drops
+        # the loss, after the next forward has run.
+        forward_heads, backward_heads = min(2, micro), 1
+    forward_peak = layers_held + waiting * weight_pass + forward_heads * head_saved + head_transient + zero_forward
+    backward_peak = (layers_held + waiting * weight_pass + backward_heads * head_saved
+                     + max(backward_transient, weight_pass))
     peak = max(forward_peak, backward_peak)
     return ActivationBytes(per_microbatch, in_flight, round(peak - layers_held - head_live * head_saved), round(peak))
 
@@ -224,3 +237,59 @@ def _backward_gradients(config: Config) -> int:
     tokens, stream = _tokens(config)
     ffn = max(m.ffn_hidden_size, m.moe_ffn_hidden_size * m.moe_router_topk if m.num_experts else 0) // tp
     return param_bytes(config) * (stream * m.hidden_size + tokens * (2 if m.swiglu else 1) * ffn)
+
+
+def waiting_weight_passes(pp: int, pp_rank: int, micro: int) -> int:
+    """The most micro-batches whose W pass waits at once on a ZB-H1 stage, reached as a B ends: the B of the
+    first min(p, steady steps) micro-batches leave their W waiting and every later B is followed by the oldest
+    W (schedules.forward_backward_pipelining_zero_bubble), so p + 1 when m >= P."""
+    steady = micro - min(pp - pp_rank - 1, micro)
+    return min(min(pp_rank, steady) + 1, micro)
+
+
+def weight_pass_bytes(config: Config, chunk) -> int:
+    """Bytes one micro-batch's waiting W pass holds beyond its graph (already counted in the micro-batch's saved
+    bytes) on a ZB-H1 stage whose only chunk is `chunk`.
+
+    B records, for W, the gradient arriving at every node where a weight enters the input path
+    (pipeline/split_backward.py): each linear layer's output gradient [tokens, out/tp] in the activation dtype
+    (the whole sequence under sequence parallelism, as the linear's input is all-gathered), and each norm's
+    output gradient [tokens, h] (RMSNorm computes in fp32, so 4 bytes; LayerNorm in the activation dtype). A
+    row-parallel linear's bias is added after the reduction; under sequence parallelism its gradient is the
+    [s/tp] slice, a tensor of its own, otherwise the linear's output gradient itself. The experts' GEMMs are
+    a Python autograd.Function that computes its weight gradients in B: W holds those gradients, the size
+    of the local experts' weights. 1F1B frees each of these as soon as the weight gradient is taken. A first
+    stage has no input to differentiate: its W is the whole backward and holds the received output gradient.
+    """
+    m, p = config.model, config.parallel
+    e, tp = param_bytes(config), p.tensor_model_parallel_size
+    tokens, stream = _tokens(config)
+    h = m.hidden_size
+    if chunk.pre_process:
+        return stream * e * h
+    norm = FP32 if m.normalization == "RMSNorm" else e
+    d, nh, ng = m.head_dim, m.num_attention_heads // tp, m.num_query_groups // tp
+    gated = 2 if m.swiglu else 1
+    total = 0
+    for layer_number in range(chunk.layer_offset, chunk.layer_offset + chunk.num_layers):
+        size = 2 * stream * norm * h  # input and pre-MLP norms
+        size += tokens * e * ((nh + 2 * ng) * d + h)  # QKV and output projection
+        if m.qk_layernorm:
+            size += tokens * norm * (nh + ng) * d
+        moe = m.num_experts and layer_number % m.moe_layer_freq == 0
+        if moe:
+            size += stream * FP32 * m.num_experts  # the router's GEMM runs in fp32
+            expert_ffn = m.moe_ffn_hidden_size // tp
+            size += m.num_experts // p.expert_model_parallel_size * (gated + 1) * expert_ffn * h * e
+            shared = m.moe_shared_expert_intermediate_size
+            if shared:
+                size += tokens * e * (gated * shared // tp + h + (1 if m.moe_shared_expert_gate else 0))
+        else:
+            size += tokens * e * (gated * m.ffn_hidden_size // tp + h)  # fc1 and fc2
+        if not m.disable_bias_linear and p.sequence_parallel:
+            size += (1 if moe else 2) * stream * e * h  # the output projection's and fc2's biases
+        total += size
+    if chunk.post_process:  # the final norm and the output layer, [tokens, v/tp]
+        vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
+        total += stream * norm * h + tokens * e * vocab
+    return total
