@@ -165,6 +165,10 @@ ZB_H1_LAYOUTS = {
     "tp2_sp_pp2_gpt_biases_m4": {**GPT, "tensor_model_parallel_size": 2, "sequence_parallel": True,
                                  "pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1",
                                  "global_batch_size": 4},
+    "pp2_ep2_moe_shared_expert_bf16_m4": {**LLAMA, "model_preset": "mixtral-tiny", "num_experts": 4,
+                                          "expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                          "pipeline_schedule": "zb-h1", "moe_shared_expert_intermediate_size": 64,
+                                          "moe_shared_expert_gate": True, "bf16": True},
 }
 
 
