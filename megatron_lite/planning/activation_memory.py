@@ -252,14 +252,15 @@ def weight_pass_bytes(config: Config, chunk) -> int:
     bytes) on a ZB-H1 stage whose only chunk is `chunk`.
 
     B records, for W, the gradient arriving at every node where a weight enters the input path
-    (pipeline/split_backward.py): each linear layer's output gradient [tokens, out/tp] in the activation dtype
-    (the whole sequence under sequence parallelism, as the linear's input is all-gathered), and each norm's
-    output gradient [tokens, h] (RMSNorm computes in fp32, so 4 bytes; LayerNorm in the activation dtype). A
-    row-parallel linear's bias is added after the reduction; under sequence parallelism its gradient is the
-    [s/tp] slice, a tensor of its own, otherwise the linear's output gradient itself. The experts' GEMMs are
-    a Python autograd.Function that computes its weight gradients in B: W holds those gradients, the size
-    of the local experts' weights. 1F1B frees each of these as soon as the weight gradient is taken. A first
-    stage has no input to differentiate: its W is the whole backward and holds the received output gradient.
+    (pipeline/split_backward.py): each linear layer's output gradient [tokens, out/tp] in the activation dtype (the
+    whole sequence under sequence parallelism, as the linear's input is all-gathered), and each norm's output
+    gradient [s(/tp) b, h] (RMSNorm computes in fp32, so 4 bytes; LayerNorm in the activation dtype), the per-head q
+    and k norms' (--qk-layernorm) on every local token. A row-parallel linear's bias is added after the reduction;
+    under sequence parallelism its gradient is the [s/tp] slice, a tensor of its own, otherwise the linear's output
+    gradient itself. The experts' GEMMs are a Python autograd.Function that computes its weight gradients in B: W
+    holds those gradients, the size of the local experts' weights. 1F1B frees each of these as soon as the weight
+    gradient is taken. A first stage has no input to differentiate: its W is the whole backward and holds the
+    received output gradient.
     """
     m, p = config.model, config.parallel
     e, tp = param_bytes(config), p.tensor_model_parallel_size
