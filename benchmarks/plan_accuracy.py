@@ -25,16 +25,15 @@ import pretrain_gpt
 from benchmarks.cpu_allocation_peak import measure_peak
 from benchmarks.results_file import record_result
 from megatron_lite.config import make_config
-from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.planning.activation_memory import stage_activation_bytes
 from megatron_lite.planning.layouts import schedule_of
 from megatron_lite.planning.state_memory import stage_state_bytes
 from megatron_lite.training import (
     build_data_iterator,
     build_datasets,
-    build_model,
     get_schedule,
     initialize,
+    setup_model_and_optimizer,
     train_step,
 )
 from tests.harness import run_on_ranks
@@ -79,8 +78,7 @@ def measure(values: dict, world_size: int) -> dict:
     """On this rank: built and planned state bytes, measured and planned peak activation bytes."""
     config = make_config(values, world_size)
     pstate, device = initialize(config)
-    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
-    optimizer = build_optimizer(config, model, pstate)
+    model, optimizer = setup_model_and_optimizer(config, pstate, pretrain_gpt.model_provider, device)
     iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
     train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, 0, device)
     built = {"params": 0, "grads": 0, "optimizer": sum(optimizer.memory_footprint().values())}

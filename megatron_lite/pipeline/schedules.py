@@ -93,18 +93,17 @@ def _one_forward_one_backward(run: MicroBatchRunner, comm, data_iterator, num_mi
     input_tensor = comm.recv_forward((num_warmup, 0)) if num_steady else None
     for step in range(num_steady):
         forward_mb, backward_mb = num_warmup + step, step
-        output = run.forward(0, forward_mb, input_tensor, data_iterator)
-        output_grad = comm.send_forward_recv_backward(output, (forward_mb, 0), (backward_mb, 0))
-        saved.append((input_tensor, output))
-        input_tensor, output = saved.pop(0)
+        saved.append((input_tensor, run.forward(0, forward_mb, input_tensor, data_iterator)))
+        output_grad = comm.send_forward_recv_backward(saved[-1][1], (forward_mb, 0), (backward_mb, 0))
         next_forward_mb = forward_mb + 1 if step < num_steady - 1 else None
-        input_tensor = backward_and_send(backward_mb, input_tensor, output, output_grad, next_forward_mb)
+        # Only `saved` holds a micro-batch's input and output, and only the call the oldest's, so they go when
+        # it returns (under ZB-H1 the output still holds the loss's part of the graph, which B keeps for W).
+        input_tensor = backward_and_send(backward_mb, *saved.pop(0), output_grad, next_forward_mb)
 
     if not run.forward_only:
         for backward_mb in range(num_steady, m):
-            input_tensor, output = saved.pop(0)
             output_grad = comm.recv_backward((backward_mb, 0))
-            backward_and_send(backward_mb, input_tensor, output, output_grad, None)
+            backward_and_send(backward_mb, *saved.pop(0), output_grad, None)
 
 
 def forward_backward_pipelining_without_interleaving(forward_step_func, data_iterator, model,

@@ -60,7 +60,7 @@ class ActivationBytes:
     per_microbatch: int  # saved by one micro-batch through all of this stage's layers (and the loss, last stage)
     in_flight: float  # micro-batches (of the whole stage) the schedule holds at once
     transient: int  # on top at the peak: logits beside the loss, or a recomputed unit and backward's gradients;
-    # under zb-h1 also what the waiting W passes hold and a second micro-batch's loss tensors
+    # under zb-h1 also what the waiting W passes hold
     peak: int
 
 
@@ -212,16 +212,16 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
     layers_held = in_flight * sum(chunk_saved)
     backward_transient = (rebuild + _backward_gradients(config) + _tied_weight_gradient(config, chunks)
                           + zero_backward)
-    waiting, weight_pass, forward_heads, backward_heads = 0, 0, head_live, head_live - 1
+    waiting, weight_pass, backward_heads = 0, 0, head_live - 1
     if schedule == "zb-h1":
         # Forwards and B run with one fewer W waiting than the most; that most is reached when a B ends, its
         # own W pass complete and the backward's transients gone.
         waiting, weight_pass = waiting_weight_passes(pp, pp_rank, micro) - 1, weight_pass_bytes(config, chunks[0])
-        # B keeps the graph for W, so the loss's tensors (not W's) stay through B and until the schedule drops
-        # the loss, after the next forward has run.
-        forward_heads, backward_heads = min(2, micro), 1
-    forward_peak = layers_held + waiting * weight_pass + forward_heads * head_saved + head_transient + zero_forward
-    backward_peak = (layers_held + waiting * weight_pass + backward_heads * head_saved
+        # B keeps the graph for W, so the loss's tensors (not W's) stay through B, until the schedule drops
+        # the loss as B and the W that follows it end; the logits' gradient is made beside them.
+        backward_heads = 1
+    forward_peak = layers_held + waiting * weight_pass + head_live * head_saved + head_transient + zero_forward
+    backward_peak = (layers_held + waiting * weight_pass + backward_heads * (head_saved + head_transient)
                      + max(backward_transient, weight_pass))
     peak = max(forward_peak, backward_peak)
     return ActivationBytes(per_microbatch, in_flight, round(peak - layers_held - head_live * head_saved), round(peak))
