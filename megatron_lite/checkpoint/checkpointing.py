@@ -47,6 +47,7 @@ from megatron_lite.checkpoint import checksums, directory
 from megatron_lite.checkpoint.agreement import agree, all_gather, decided_by_coordinator, rank_and_size
 from megatron_lite.checkpoint.planner import (
     CheckpointError,
+    RecordingFileSystemWriter,
     SafeFileSystemReader,
     ShardedLoadPlanner,
     ShardedSavePlanner,
@@ -215,18 +216,18 @@ class Checkpointer:
         temporary = directory.temporary_path(root, iteration)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            written = dcp.save(state_dict_of(pieces), planner=ShardedSavePlanner(pieces),
-                               storage_writer=dcp.FileSystemWriter(temporary),
-                               process_group=self.group, no_dist=not self.distributed)
-        records, problem = _records_of_own_files(temporary, checksums.files_written_by(pieces, written))
+            writer = RecordingFileSystemWriter(temporary)
+            dcp.save(state_dict_of(pieces), planner=ShardedSavePlanner(pieces), storage_writer=writer,
+                     process_group=self.group, no_dist=not self.distributed)
+        records, problem = _records_of_own_files(temporary, writer.written_files)
         everyone = all_gather((records, problem), self.group)
         problem = next((p for _, p in everyone if p is not None), None)
         if self.is_coordinator and problem is None:
             files = {name: record for records, _ in everyone for name, record in records.items()}
-            problem = self._commit(root, iteration, metadata, files, stored_bytes(written), start)
+            problem = self._commit(root, iteration, metadata, files, start)
         agree(problem, self.group)
 
-    def _commit(self, root: str, iteration: int, metadata: dict, files: dict, nbytes: int, start: float) -> str | None:
+    def _commit(self, root: str, iteration: int, metadata: dict, files: dict, start: float) -> str | None:
         """Commit on the coordinator (DCP's index is checksummed here, where it was written); returns why
         it could not, for every rank to raise."""
         temporary = directory.temporary_path(root, iteration)
@@ -240,6 +241,7 @@ class Checkpointer:
             return str(error)
         except OSError as error:
             return f"cannot commit the checkpoint of iteration {iteration} in {root}: {error}"
+        nbytes = sum(record["bytes"] for record in files.values())  # the data files, as stored_bytes counts
         print(f" saved checkpoint at iteration {iteration} to {path} ({nbytes / 1e6:.1f} MB "
               f"in {time.perf_counter() - start:.2f} s)", flush=True)
         return None

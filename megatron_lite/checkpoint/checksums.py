@@ -17,11 +17,6 @@ from __future__ import annotations
 import os
 import zlib
 
-from torch.distributed.checkpoint import Metadata
-from torch.distributed.checkpoint.metadata import MetadataIndex
-
-from megatron_lite.checkpoint.sharded import ShardedTensor
-
 DCP_INDEX_FILE = ".metadata"
 _READ_BYTES = 8 << 20  # one read per 8 MB: large enough to stream at disk speed, small enough to stay cached
 
@@ -37,12 +32,6 @@ def file_record(path: str) -> dict:
             crc = zlib.crc32(view[:read], crc)
             size += read
     return {"bytes": size, "crc32": f"{crc:08x}"}
-
-
-def files_written_by(pieces: list[ShardedTensor], written: Metadata) -> list[str]:
-    """The data files holding the boxes this rank wrote, from the index DCP returns to every rank."""
-    storage = written.storage_data
-    return sorted({storage[MetadataIndex(p.key, p.global_offset)].relative_path for p in pieces})
 
 
 def records_of(directory: str, names: list[str]) -> dict[str, dict]:

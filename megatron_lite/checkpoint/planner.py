@@ -16,6 +16,10 @@ Safety: DCP unpickles `.metadata` with plain `pickle` and byte items with `torch
 `SafeFileSystemReader` reads `.metadata` with an unpickler that only builds DCP's metadata classes, and the
 load planner refuses byte items; tensors are read by DCP with `torch.load(weights_only=True)`. A crafted
 checkpoint therefore fails to load instead of running code.
+
+Checksums: `RecordingFileSystemWriter` keeps the names of the data files this rank wrote. The Metadata that
+`dcp.save` returns names them only in some torch versions (2.11 fills in a copy of it), so the writer's own
+results are the record.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader, Metadata
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, Metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -182,3 +186,16 @@ class SafeFileSystemReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class RecordingFileSystemWriter(FileSystemWriter):
+    """DCP's file writer that keeps `written_files`, the data files it wrote for this rank (relative names)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.written_files: list[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        self.written_files = sorted({result.storage_data.relative_path for result in future.wait()})
+        return future
