@@ -59,11 +59,13 @@ class TransformerLayer(torch.nn.Module):
 
     With --torch-compile, residual_blocks runs as a torch.compile graph. Every layer compiles the same code
     with the same guards, so dynamo compiles the dense layer once and every other dense layer reuses that
-    graph (MoE layers share a second set). What cannot be traced runs eagerly at a graph break, computing
-    what eager mode computes: the MoE part (`_mlp`), dropout on the tensor-parallel random stream (the core
-    attention when it has dropout; hidden dropout under sequence parallelism), whose generator swap dynamo
-    does not trace, and the recomputed core attention of --recompute-granularity selective, whose
-    random-state replay is Python state. Full recomputation checkpoints the compiled layer from outside.
+    graph (MoE layers share a second set). What cannot be traced, or is not compiled right by every torch we
+    support, runs eagerly at a graph break, computing what eager mode computes: the tensor- and
+    sequence-parallel collectives (parallel/mappings.py), the MoE part (`_mlp`), dropout on the
+    tensor-parallel random stream (the core attention when it has dropout; hidden dropout under sequence
+    parallelism), whose generator swap dynamo does not trace, and the recomputed core attention of
+    --recompute-granularity selective, whose random-state replay is Python state.
+    Full recomputation checkpoints the compiled layer from outside.
     Random ops draw from torch's generators as in eager mode (inductor's fallback_random), so dropout masks,
     the RNG tracker's streams and their replay under recomputation are eager's; otherwise inductor would
     draw masks of its own.
