@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment $VENV (default .venv) with megatron_lite and its test tools.
 # torch is pinned to $TORCH (default 2.13.0) only when it is missing (the CPU build where one lies on local
-# disk, the registry's build elsewhere); pyproject itself accepts any torch >= 2.6.
+# disk, the registry's build elsewhere); pyproject itself accepts any torch >= 2.11.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

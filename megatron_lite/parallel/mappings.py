@@ -64,7 +64,7 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group, as
     """Fill `output` [size * n, ...] with every rank's `tensor` [n, ...] in rank order; the work if async_op.
 
     torch 2.13 renamed this collective `all_gather_single` and deprecated the old name with a warning on
-    every call; older torch (the 2.6 floor, the 2.11 of GPU images) has only the old name. The lookup
+    every call; older torch (the 2.11 floor, that of GPU images) has only the old name. The lookup
     happens at each call, so that tests which wrap torch.distributed's functions see it.
     """
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
