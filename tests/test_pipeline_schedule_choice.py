@@ -1,7 +1,7 @@
 """--pipeline-schedule gpipe and zb-h1 compute what one process computes: one step's loss, evaluation and
 gradients equal the single-device ones over PP2 and PP4, with fewer micro-batches than stages and with more;
-trained with TP2 and sequence parallelism (and ZB-H1 with the distributed optimizer and overlapped gradient
-reduction over DP2), losses and weights equal the single-device run's. GPipe holds every
+trained with TP2 and sequence parallelism, in bf16 (and ZB-H1 with the distributed optimizer and overlapped
+gradient reduction over DP2), losses and weights equal the single-device run's. GPipe holds every
 micro-batch of the step, ZB-H1 at most P until their weight-gradient pass; every send is received; bad
 combinations are one-line errors."""
 
@@ -118,3 +118,12 @@ def test_bad_schedule_combinations_are_one_line_errors(values, world_size, messa
     with pytest.raises(ConfigError) as error:
         make_config({**TINY_8_LAYERS, **values}, world_size)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_bf16_over_pp2_trains_as_bf16_on_one_process(schedule):
+    """bf16 weights and activations, fp32 gradients and masters: the stages pass bf16 tensors, and the
+    weight-gradient passes of ZB-H1 accumulate into the same fp32 gradients as a whole backward."""
+    values = {**TINY_8_LAYERS, "bf16": True}
+    parallel = {**values, "pipeline_model_parallel_size": 2, "pipeline_schedule": schedule}
+    assert_run_matches(run_on_ranks(2, train_and_collect, parallel, 2), reference(values))
