@@ -8,7 +8,7 @@ and multiplies every expert's tokens at once (the stacked copy is made again in 
                       group offsets stay on the device: no host read and no padding
   padded bmm          elsewhere: each expert's rows are placed in a [E_local, longest, in] batch by index
                       ops and multiplied with one torch.bmm; the longest group is read back for each
-                      product (forward: two per layer; backward: three per linear), only where the grouped
+                      product (forward: two per layer; backward: two per linear), only where the grouped
                       kernel cannot run
 
 Tensor parallelism splits expert weights as the dense MLP's (fc1 by output rows, [gate; up] halves
@@ -58,7 +58,7 @@ def _grouped_product(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, gro
     """[N, k] rows sorted by group times b [G, k, n] -> [N, n]: rows of group g times b[g]."""
     if grouped_mm:
         return torch._grouped_mm(a, b, offs=counts.cumsum(0).to(torch.int32))
-    padded, rows = _padded_by_group(a, counts, b.shape[0])
+    (padded,), rows = _padded_by_group([a], counts, b.shape[0])
     return torch.bmm(padded, b)[rows]
 
 
@@ -67,17 +67,18 @@ def _grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tens
     """[G, out, in]: for each group g, its rows of `grad` [N, out] transposed times its rows of `x` [N, in]."""
     if grouped_mm:  # the call torch's own backward of the forward product makes
         return torch._grouped_mm(x.t(), grad, offs=counts.cumsum(0).to(torch.int32)).transpose(1, 2)
-    padded_x, _ = _padded_by_group(x, counts, groups)
-    padded_grad, _ = _padded_by_group(grad, counts, groups)
+    (padded_x, padded_grad), _ = _padded_by_group([x, grad], counts, groups)
     return torch.bmm(padded_grad.transpose(1, 2), padded_x)
 
 
-def _padded_by_group(x: torch.Tensor, counts: torch.Tensor, groups: int) -> tuple[torch.Tensor, tuple]:
-    """[N, d] rows sorted by group -> [G, longest, d] zero-padded, and the index of each row in it."""
-    rows = x.shape[0]
-    group, position = segment_ids(counts, rows)
-    longest = int(counts.max()) if rows else 0  # the padding's length: a host read
-    return x.new_zeros(groups, longest, x.shape[1]).index_put((group, position), x), (group, position)
+def _padded_by_group(tensors: list[torch.Tensor], counts: torch.Tensor,
+                     groups: int) -> tuple[list[torch.Tensor], tuple]:
+    """Each [N, d] of `tensors`, rows sorted by the same groups -> [G, longest, d] zero-padded, and the index
+    of each row in them. The padding's length is one host read, shared by all of them."""
+    rows = tensors[0].shape[0]
+    index = segment_ids(counts, rows)
+    longest = int(counts.max()) if rows else 0
+    return [t.new_zeros(groups, longest, t.shape[1]).index_put(index, t) for t in tensors], index
 
 
 class _ExpertsLinear(torch.autograd.Function):
