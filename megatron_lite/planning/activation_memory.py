@@ -25,20 +25,20 @@ recomputation drops the attention's log-sum-exp (the other tensors it would free
 neighbouring layers anyway). A stage other than the first keeps its received input (bf16/fp16: beside the
 first norm's fp32 copy), one other than the last its output, until the micro-batch's backward.
 
-In flight: no pipelining 1 micro-batch; 1F1B min(P - p, m) on stage p; GPipe m; interleaved 1F1B min(2 (P - p -
-1) + (v - 1) P + 1, m v) chunk micro-batches of L / (P v) layers each (schedules.py's warm-up counts plus the one
-in its steady state); ZB-H1 min(P, m) on every stage: a micro-batch's graph, with everything it saved, lives
-until its weight-gradient pass (pipeline/split_backward.py), and up to P micro-batches wait for theirs (the
-schedule's bound, tests/test_pipeline_schedule_choice.py). A waiting W pass also holds the gradients B recorded
-for it, which 1F1B frees as its backward goes (weight_pass_bytes): up to p + 1 of them on stage p, the last
-stage's with its logits' gradient. The loss's tensors are live for one micro-batch at a time (GPipe: m; ZB-H1:
-two during a forward, as B keeps them until the loss is dropped after the next forward). The peak is the larger
+In flight: no pipelining 1 micro-batch; 1F1B min(P - p, m) on stage p; GPipe m; interleaved 1F1B min(2 (P - p - 1)
++ (v - 1) P + 1, m v) chunk micro-batches of L / (P v) layers each (schedules.py's warm-up counts plus the one in
+its steady state); ZB-H1 min(P, m) on every stage: a micro-batch's graph, with everything it saved, lives until
+its weight-gradient pass (pipeline/split_backward.py), and up to P micro-batches wait for theirs (the schedule's
+bound, tests/test_pipeline_schedule_choice.py). A waiting W pass also holds the gradients B recorded for it, which
+1F1B frees as its backward goes (weight_pass_bytes): up to p + 1 of them on stage p, the last stage's with its
+logits' gradient. The loss's tensors are live for one micro-batch at a time (GPipe: m; ZB-H1: also through that
+micro-batch's B, beside its logits' gradient, as B keeps the graph for W until it returns). The peak is the larger
 of the forward's (everything held, plus the logits beside the loss) and the backward's, measured inside the MLP
-backward of the stage's last layer: the loss's tensors of the micro-batch being backpropagated freed; a
-recomputed unit rebuilt; the residual stream's gradient, the MLP's gradients less the activation they free
-(_backward_gradients); on a single stage with tied embeddings the output layer's weight gradient, which waits for
-the embedding's. ZeRO-2/3 add their temporary buffers (_zero_buffers): a bucket's fp32 gradients while it fills,
-and under ZeRO-3 the gathered parameters of the chunk's own unit and of the layer in use.
+backward of the stage's last layer: the loss's tensors of the micro-batch being backpropagated freed (not under
+ZB-H1); a recomputed unit rebuilt; the residual stream's gradient, the MLP's gradients less the activation they
+free (_backward_gradients); on a single stage with tied embeddings the output layer's weight gradient, which waits
+for the embedding's. ZeRO-2/3 add their temporary buffers (_zero_buffers): a bucket's fp32 gradients while it
+fills, and under ZeRO-3 the gathered parameters of the chunk's own unit and of the layer in use.
 """
 
 from __future__ import annotations
