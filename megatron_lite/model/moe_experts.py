@@ -8,7 +8,7 @@ and multiplies every expert's tokens at once (the stacked copy is made again in 
                       group offsets stay on the device: no host read and no padding
   padded bmm          elsewhere: each expert's rows are placed in a [E_local, longest, in] batch by index
                       ops and multiplied with one torch.bmm; the longest group is read back for each
-                      product (forward: two per layer; backward: two per linear), only where the grouped
+                      product (forward: two per layer; backward: one per linear), only where the grouped
                       kernel cannot run
 
 Tensor parallelism splits expert weights as the dense MLP's (fc1 by output rows, [gate; up] halves
@@ -55,20 +55,25 @@ def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _grouped_product(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
-    """[N, k] rows sorted by group times b [G, k, n] -> [N, n]: rows of group g times b[g]."""
+    """[N, k] rows sorted by group times b [G, k, n] -> [N, n]: rows of group g times b[g] (the forward)."""
     if grouped_mm:
         return torch._grouped_mm(a, b, offs=counts.cumsum(0).to(torch.int32))
     (padded,), rows = _padded_by_group([a], counts, b.shape[0])
     return torch.bmm(padded, b)[rows]
 
 
-def _grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, groups: int,
-                         grouped_mm: bool) -> torch.Tensor:
-    """[G, out, in]: for each group g, its rows of `grad` [N, out] transposed times its rows of `x` [N, in]."""
-    if grouped_mm:  # the call torch's own backward of the forward product makes
-        return torch._grouped_mm(x.t(), grad, offs=counts.cumsum(0).to(torch.int32)).transpose(1, 2)
-    (padded_x, padded_grad), _ = _padded_by_group([x, grad], counts, groups)
-    return torch.bmm(padded_grad.transpose(1, 2), padded_x)
+def _grouped_backward(grad: torch.Tensor, x: torch.Tensor, stacked: torch.Tensor | None, counts: torch.Tensor,
+                      groups: int, grouped_mm: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The gradients of rows `x` [N, in] sorted by group times each group's weight [out, in], from `grad`
+    [N, out]: for the rows (None without `stacked`, the weights [G, out, in]) and for the weights [G, out, in].
+    The two share the group offsets, or the padding of `grad` and its one host read."""
+    if grouped_mm:  # the calls torch's own backward of the forward product makes
+        offsets = counts.cumsum(0).to(torch.int32)
+        grad_x = torch._grouped_mm(grad, stacked, offs=offsets) if stacked is not None else None
+        return grad_x, torch._grouped_mm(x.t(), grad, offs=offsets).transpose(1, 2)
+    (padded_grad, padded_x), rows = _padded_by_group([grad, x], counts, groups)
+    grad_x = torch.bmm(padded_grad, stacked)[rows] if stacked is not None else None
+    return grad_x, torch.bmm(padded_grad.transpose(1, 2), padded_x)
 
 
 def _padded_by_group(tensors: list[torch.Tensor], counts: torch.Tensor,
@@ -95,10 +100,9 @@ class _ExpertsLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, counts, *weights = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = (_grouped_product(grad, torch.stack(weights), counts, ctx.grouped_mm)
-                  if ctx.needs_input_grad[0] else None)
-        grad_weights = _grouped_weight_grad(grad, x, counts, len(weights), ctx.grouped_mm)
+        stacked = torch.stack(weights) if ctx.needs_input_grad[0] else None
+        grad_x, grad_weights = _grouped_backward(grad.contiguous(), x, stacked, counts, len(weights),
+                                                 ctx.grouped_mm)
         return grad_x, None, None, *grad_weights.unbind(0)
 
 
