@@ -207,9 +207,10 @@ def owned_range_numels(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> li
 
 
 def chunk_state_bytes(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> StateBytes:
-    """What one model chunk costs the rank at index `dp_rank` of its dp x cp group (its index in the
-    expert-data-parallel group is dp_rank // ep, as parallel/state.py orders ranks), all its optimizer state
-    on the device. Index 0 holds the most: the padding of a bucket falls in the last ranks' shards."""
+    """The parameters and gradients one model chunk costs the rank at index `dp_rank` of its dp x cp group
+    (its index in the expert-data-parallel group is dp_rank // ep, as parallel/state.py orders ranks). Index 0
+    holds the most: the padding of a bucket falls in the last ranks' shards. The optimizer's elements are
+    owned_range_numels'."""
     stage = zero_stage_of(config)
     weight = param_bytes(config)
     groups = _group_sizes(config)
@@ -222,7 +223,6 @@ def chunk_state_bytes(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> Sta
             continue
         state.params += (shard if stage.shards_params else bucket.numel) * weight
         state.grads += (shard if stage.shards_grads else bucket.numel) * FP32
-    state.optimizer = sum(owned_range_numels(config, chunk, dp_rank)) * _device_optimizer_bytes(config)
     return state
 
 
@@ -245,11 +245,11 @@ def stage_state_bytes(config: Config, pp_rank: int, dp_rank: int = 0, offload_fr
     ranges = []
     for chunk in model_chunk_plans(config, pp_rank):
         part = chunk_state_bytes(config, chunk, dp_rank)
-        for name in ("params", "grads", "optimizer", "numel"):
+        for name in ("params", "grads", "numel"):
             setattr(total, name, getattr(total, name) + getattr(part, name))
         ranges += owned_range_numels(config, chunk, dp_rank)
     if offload_fraction:
         total.offloaded = sum(ranges[:offloaded_count(ranges, offload_fraction)])
-        total.optimizer -= total.offloaded * _device_optimizer_bytes(config)
-        total.optimizer_on_host = total.offloaded * host_optimizer_bytes(config)
+    total.optimizer = (sum(ranges) - total.offloaded) * _device_optimizer_bytes(config)
+    total.optimizer_on_host = total.offloaded * host_optimizer_bytes(config)
     return total
