@@ -82,15 +82,15 @@ def build_model(config: Config, pstate: ParallelState, model_provider, device) -
     return chunks
 
 
-# -------------------------------------------------------------------------------------------------------
-# Data
-
-
 def setup_model_and_optimizer(config: Config, pstate: ParallelState, model_provider,
                               device) -> tuple[list[DistributedDataParallel], Optimizer]:
     """This rank's model chunks, wrapped for data parallelism, and the optimizer that steps them."""
     model = build_model(config, pstate, model_provider, device)
     return model, build_optimizer(config, model, pstate)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Data
 
 
 def _num_samples(config: Config) -> tuple[int, int, int]:
