@@ -14,7 +14,8 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-from megatron_lite.config import Config, ConfigError, parse_config
+from megatron_lite.arguments import ConfigError, parse_config
+from megatron_lite.config import Config
 from megatron_lite.errors import UserError, debug_requested, report
 from megatron_lite.parallel.launcher import adopt_slurm_environment, exit_with_launcher, warn_of_restart_hazard
 

@@ -31,7 +31,7 @@ import torch
 
 import pretrain_gpt
 from benchmarks.results_file import record_result
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.logging import device_peak_tflops, training_flops_per_token
 from megatron_lite.training import pretrain
 

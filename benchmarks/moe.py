@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 import pretrain_gpt
 from benchmarks.results_file import record_result
 from megatron_lite import training
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.host_reads import counted_device_reads
 from megatron_lite.model import moe_experts
 from megatron_lite.parallel import mappings

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from benchmarks.results_file import record_result
 from megatron_lite import training
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.pipeline import layer_split
 from megatron_lite.pipeline.microbatch import ScheduleStats
 from tests.harness import close_all_worlds, run_on_ranks

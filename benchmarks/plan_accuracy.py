@@ -24,7 +24,7 @@ import sys
 import pretrain_gpt
 from benchmarks.cpu_allocation_peak import measure_peak
 from benchmarks.results_file import record_result
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.planning.activation_memory import stage_activation_bytes
 from megatron_lite.planning.layouts import schedule_of
 from megatron_lite.planning.state_memory import stage_state_bytes

@@ -29,7 +29,7 @@ import torch
 import pretrain_gpt
 from benchmarks.results_file import record_result
 from megatron_lite import training
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import layer_split
 from tests.harness import run_on_ranks

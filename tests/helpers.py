@@ -15,7 +15,7 @@ import re
 import torch
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.model.gpt import gather_vocab_logits
 from megatron_lite.model.sharding import FlatShard, unshard
 from megatron_lite.optim.data_parallel import DistributedDataParallel

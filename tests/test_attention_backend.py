@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.model import attention
 from megatron_lite.model.attention import CoreAttention, choose_attention_backend, sdpa_kernel_name
 from megatron_lite.model.context_parallel import CudaEfficientKernel, CudaFlashKernel

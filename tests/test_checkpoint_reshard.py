@@ -5,7 +5,7 @@ import functools
 import pytest
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks
 

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from megatron_lite.config import Config, ConfigError, build_parser, field_docs, make_config, parse_config
+from megatron_lite.arguments import ConfigError, build_parser, field_docs, make_config, parse_config
+from megatron_lite.config import Config
 from megatron_lite.presets import MODEL_PRESETS
 
 

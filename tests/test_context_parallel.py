@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import pretrain_gpt
-from megatron_lite.config import ConfigError, make_config
+from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.model.context_parallel import (
     CpuFlashKernel,
     RingAttention,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from megatron_lite.config import parse_config
+from megatron_lite.arguments import parse_config
 from megatron_lite.data.builder import build_per_split_datasets
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.errors import DataError

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.training import (
     build_data_iterator,
     build_datasets,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pretrain_gpt
-from megatron_lite.config import ConfigError, make_config
+from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.model.attention import Documents, document_attention, flex_document_attention
 from megatron_lite.model.context_parallel import CpuFlashKernel, RingAttention, document_spans, load_balanced_indices

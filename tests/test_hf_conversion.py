@@ -17,8 +17,8 @@ import yaml
 from safetensors.torch import load_file
 
 import pretrain_gpt
+from megatron_lite.arguments import make_config
 from megatron_lite.checkpoint.checkpointing import Checkpointer, read_checkpoint_tensors
-from megatron_lite.config import make_config
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.generation import load_model
 from megatron_lite.hf.checkpoint import resolve_checkpoint

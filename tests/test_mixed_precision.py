@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.config import ConfigError, make_config
+from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.optim.loss_scaler import DynamicGradScaler
 from megatron_lite.training import build_data_iterator, build_datasets, train_step
 from tests.harness import run_on_ranks

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.model.contract import check_model_chunk
 from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.parallel.state import ParallelState

@@ -7,7 +7,7 @@ test_hf_conversion.py and test_generation.py.)"""
 import pytest
 import torch
 
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.hf.configs import model_values_from_hf
 from megatron_lite.hf.weights import hf_shapes
 from megatron_lite.model.attention import RopeScaling, RotaryEmbedding

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import pretrain_gpt
-from megatron_lite.config import ConfigError, make_config
+from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.host_reads import counted_device_reads
 from megatron_lite.model import moe_experts
 from megatron_lite.model.gpt import GPTModel

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.model.sharding import unshard
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks

@@ -12,7 +12,7 @@ import json
 import pytest
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.pipeline import split_backward
 from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.pipeline.microbatch import ScheduleStats

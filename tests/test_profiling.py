@@ -8,7 +8,7 @@ import pytest
 
 import pretrain_gpt
 from megatron_lite import logging as training_logging
-from megatron_lite.config import ConfigError, build_parser, make_config
+from megatron_lite.arguments import ConfigError, build_parser, make_config
 from megatron_lite.profiling import profile_dir
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks

@@ -6,7 +6,7 @@ import pytest
 
 import pretrain_gpt
 from megatron_lite import training
-from megatron_lite.config import ConfigError, build_parser, make_config, parse_config
+from megatron_lite.arguments import ConfigError, build_parser, make_config, parse_config
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks
 

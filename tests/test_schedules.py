@@ -6,7 +6,7 @@ import math
 import pytest
 
 import pretrain_gpt
-from megatron_lite.config import ConfigError, build_parser, make_config
+from megatron_lite.arguments import ConfigError, build_parser, make_config
 from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.training import pretrain

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.config import ConfigError, make_config
+from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.pipeline.split_backward import backward_input

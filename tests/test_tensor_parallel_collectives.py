@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.model.attention import RotaryEmbedding
 from megatron_lite.model.sharding import initialize_parameters
 from megatron_lite.model.transformer import TransformerLayer

@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from megatron_lite.config import ConfigError, make_config
+from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.training import padded_vocab_for
 
 BASE = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "seq_length": 32,

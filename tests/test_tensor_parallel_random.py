@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.model.attention import CoreAttention
 from megatron_lite.model.sharding import unshard
 from megatron_lite.model.transformer import HiddenDropout

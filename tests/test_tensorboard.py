@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import pretrain_gpt
-from megatron_lite.config import ConfigError, make_config
+from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.training import pretrain
 
 TINY = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 1, "seq_length": 32,

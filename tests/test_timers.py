@@ -5,7 +5,7 @@ import time
 import torch
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.timers import PhaseTimers
 from megatron_lite.training import pretrain
 

@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks
 

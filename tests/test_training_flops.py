@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.logging import peak_tflops_of, training_flops_per_token
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import ParallelState

@@ -8,7 +8,7 @@ import os
 import pytest
 
 import pretrain_gpt
-from megatron_lite.config import make_config
+from megatron_lite.arguments import make_config
 from megatron_lite.logging import wandb_run_id
 from megatron_lite.training import pretrain
 from tests.wandb_records import read_run

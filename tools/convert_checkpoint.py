@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from megatron_lite.arguments import ConfigError, make_config  # noqa: E402
 from megatron_lite.checkpoint.planner import CheckpointError  # noqa: E402
-from megatron_lite.config import ConfigError, make_config  # noqa: E402
 from megatron_lite.hf import configs, safetensors_files, weights  # noqa: E402
 from megatron_lite.hf.checkpoint import (  # noqa: E402
     config_from_metadata,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_lite.config import build_parser, make_config  # noqa: E402
+from megatron_lite.arguments import build_parser, make_config  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
 from megatron_lite.planning import report  # noqa: E402
 from megatron_lite.planning.layouts import enumerate_plans, plan_layout  # noqa: E402

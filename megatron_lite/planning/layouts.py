@@ -3,7 +3,7 @@
 A layout is a set of Megatron flags: TP with sequence parallelism, CP, PP, virtual stages, EP, the ZeRO
 stage, recomputation, --pipeline-schedule and --optimizer-cpu-offload with --optimizer-offload-fraction; a
 configuration's schedule and offloaded share are read from those flags. Validity is decided by
-validation.py, through config.make_config, exactly as a launch with those flags would decide it;
+validation.py, through arguments.make_config, exactly as a launch with those flags would decide it;
 a layout is then planned per pipeline stage (stages differ: the
 first holds the embedding and the most micro-batches in flight, the last the output layer and the loss).
 """
@@ -14,7 +14,8 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_lite.config import Config, make_config
+from megatron_lite.arguments import make_config
+from megatron_lite.config import Config
 from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.planning.activation_memory import ActivationBytes, stage_activation_bytes
 from megatron_lite.planning.state_memory import StateBytes, stage_state_bytes
