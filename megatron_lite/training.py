@@ -36,6 +36,7 @@ from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.planning.report import theoretical_memory_report
 from megatron_lite.profiling import StepProfiler
 from megatron_lite.timers import PhaseTimers
+from megatron_lite.validation import schedule_warnings
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -226,7 +227,8 @@ def get_schedule(config: Config):
 
 def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> torch.Tensor:
     """The global-batch mean of the 'lm loss' sums (NaN without tokens), computed on the last pipeline stage
-    and shared with the other stages so that every rank reports it; a 0-dim tensor on `device`."""
+    and shared with the other stages so that every rank reports it; a 0-dim tensor on `device`. As in
+    Megatron, this token mean is the reported loss under either loss normalisation."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for report in reports:
         loss_sum, tokens = report["lm loss"]
@@ -256,7 +258,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
             forward_step_func, data_iterator, model, config.num_microbatches_at(consumed_samples), pstate=pstate,
             config=config, loss_scale=optimizer.loss_scale)
     with timers.phase("grad_reduce"):
-        finalize_model_grads(model, pstate, tokens.to(device))
+        finalize_model_grads(model, pstate, tokens)
     with timers.phase("optimizer"):
         grad_norm = optimizer.prepare_grads()
         lm_loss, grad_norm = torch.stack([reduce_loss(reports, pstate, device), grad_norm]).tolist()  # one sync
@@ -268,7 +270,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
         update_expert_biases(model, pstate, config)
         if check and not update_successful and optimizer.grad_scaler is None:
             raise _diverged(iteration, "grad norm", grad_norm)
-    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr, "global_batch_size": global_batch_size,
+    # logged as Megatron logs it: the scheduler's rate after the step, the one the next iteration uses
+    next_lr = learning_rate(config, consumed_samples + global_batch_size)
+    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "lr": next_lr, "global_batch_size": global_batch_size,
             "loss_scale": optimizer.loss_scale, "skipped_iter": int(not update_successful)}
 
 
@@ -313,6 +317,9 @@ def pretrain(config: Config, model_provider, forward_step_func) -> list[dict]:
 def _train(config: Config, pstate: ParallelState, device, model_provider, forward_step_func) -> list[dict]:
     """Check the inputs that can be checked cheaply (the corpus, the checkpoint directory), then train. A
     background save still in flight when an error ends the run completes, but no rank waits for others."""
+    if pstate.rank == 0:
+        for warning in schedule_warnings(config):
+            print(f"warning: {warning}", flush=True)
     set_vocab_size_from_tokenizer(config)
     datasets = build_datasets(config)  # first: a broken corpus fails before any compute
     c = config.checkpoint

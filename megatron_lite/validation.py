@@ -410,7 +410,66 @@ def _schedule_problems(config: Config) -> list[str]:
     if not rampup and t.train_samples is not None and t.train_samples < config.global_batch_size_at(0):
         rampup = [f"train-samples ({t.train_samples}) must hold at least the first global batch "
                   f"({config.global_batch_size_at(0)})"]
-    return problems + rampup
+    if problems or rampup:
+        return problems + rampup
+    return _reach_problems(config)
+
+
+def _reach_problems(config: Config) -> list[str]:
+    """Schedule flags that contradict each other: a value they state that no step could ever reach.
+
+    Megatron's scheduler refuses a warmup that does not end before the decay does (the run would never reach
+    --lr, or never decay); likewise --min-lr with a schedule that never decays."""
+    from megatron_lite.optim.lr_schedule import schedule_lengths
+
+    o = config.optimizer
+    unit, per = _schedule_unit(config)
+    lengths = schedule_lengths(config)
+    problems = []
+    if lengths.warmup > 0 and lengths.warmup >= lengths.decay:
+        problems.append(f"{_warmup_flag(config)} ({lengths.warmup / per:g}) must be below lr-decay-{unit} "
+                        f"({lengths.decay / per:g}): the warmup must end before the decay does")
+    if o.lr_decay_style == "constant" and o.min_lr > 0:
+        problems.append(f"--min-lr ({o.min_lr}) is never reached with --lr-decay-style constant: drop it or "
+                        f"choose a decaying style")
+    return problems
+
+
+def schedule_warnings(config: Config) -> list[str]:
+    """Schedules this run stops before completing: fine for a run trained in pieces (resumed later with a
+    larger --train-iters or --train-samples), so a warning, not a refusal. The last step begins once all but
+    the final global batch are consumed."""
+    from megatron_lite.optim.lr_schedule import schedule_lengths
+
+    o, t = config.optimizer, config.training
+    unit, per = _schedule_unit(config)
+    total = t.train_iters * t.global_batch_size if t.train_samples is None else t.train_samples
+    last_step_start = total - t.global_batch_size
+    lengths = schedule_lengths(config)
+    train = f"train-{unit} ({total / per:g})"
+    warnings = []
+    if lengths.warmup > last_step_start:
+        warnings.append(f"{_warmup_flag(config)} ({lengths.warmup / per:g}) reaches beyond {train}: this run ends "
+                        f"before the learning rate reaches --lr ({o.lr})")
+    elif o.lr_decay_style != "constant" and lengths.decay > total:
+        warnings.append(f"lr-decay-{unit} ({lengths.decay / per:g}) reaches beyond {train}: this run ends before "
+                        f"the learning rate decays to --min-lr ({o.min_lr})")
+    if t.rampup_batch_size is not None and t.rampup_batch_size[2] > last_step_start:
+        warnings.append(f"the ramp-up ({t.rampup_batch_size[2]} samples) reaches beyond the {total} samples of "
+                        f"this run: the global batch never reaches global-batch-size ({t.global_batch_size})")
+    return warnings
+
+
+def _schedule_unit(config: Config) -> tuple[str, int]:
+    """The unit the schedule flags count in, and its size in samples."""
+    t = config.training
+    return ("iters", t.global_batch_size) if t.train_samples is None else ("samples", 1)
+
+
+def _warmup_flag(config: Config) -> str:
+    unit = _schedule_unit(config)[0]
+    return f"lr-warmup-fraction x lr-decay-{unit}" if config.optimizer.lr_warmup_fraction is not None \
+        else f"lr-warmup-{unit}"
 
 
 def _wsd_problems(config: Config) -> list[str]:

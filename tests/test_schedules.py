@@ -10,6 +10,7 @@ from megatron_lite.arguments import ConfigError, build_parser, make_config
 from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.training import pretrain
+from megatron_lite.validation import schedule_warnings
 
 BASE = {"model_preset": "llama-tiny", "mock_data": True, "micro_batch_size": 1, "global_batch_size": 4,
         "lr": 1.0, "min_lr": 0.1}
@@ -36,7 +37,7 @@ def test_warmup_then_cosine_decay():
 def test_linear_and_constant_decay():
     linear = schedule(train_iters=10, lr_warmup_iters=2, lr_decay_style="linear")
     assert lrs(linear, 10) == pytest.approx([0.0, 0.5] + [0.1 + 0.9 * (1 - (i - 2) / 8) for i in range(2, 10)])
-    constant = schedule(train_iters=6, lr_warmup_iters=2, lr_decay_style="constant")
+    constant = schedule(train_iters=6, lr_warmup_iters=2, lr_decay_style="constant", min_lr=0.0)
     assert lrs(constant, 6) == [0.0, 0.5, 1.0, 1.0, 1.0, 1.0]
 
 
@@ -138,8 +139,38 @@ def test_schedule_flags_are_in_help_with_their_meaning():
     ({"start_weight_decay": 0.0}, "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear"),
     ({"weight_decay_incr_style": "cosine", "start_weight_decay": 0.1, "end_weight_decay": 0.0},
      "end-weight-decay (0.0) must not be below start-weight-decay (0.1)"),
+    # Megatron's scheduler: the warmup ends before the decay does (by default the decay lasts the whole run)
+    ({"train_iters": 4, "lr_warmup_iters": 10}, "lr-warmup-iters (10) must be below lr-decay-iters (4): the warmup "
+                                                "must end before the decay does"),
+    ({"train_iters": 1, "lr_warmup_iters": 1}, "lr-warmup-iters (1) must be below lr-decay-iters (1)"),
+    ({"train_samples": 40, "lr_warmup_samples": 40}, "lr-warmup-samples (40) must be below lr-decay-samples (40)"),
+    ({"train_samples": 400, "lr_warmup_samples": 30, "lr_decay_samples": 20},
+     "lr-warmup-samples (30) must be below lr-decay-samples (20)"),
+    ({"lr_decay_style": "constant"}, "--min-lr (0.1) is never reached with --lr-decay-style constant"),
 ])
 def test_bad_schedule_flags_are_one_line_errors(flags, message):
     with pytest.raises(ConfigError) as error:
         schedule(**flags)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("flags, warning", [
+    ({"train_iters": 4, "lr_warmup_iters": 4, "lr_decay_iters": 100},
+     "lr-warmup-iters (4) reaches beyond train-iters (4): this run ends before the learning rate reaches --lr (1.0)"),
+    ({"train_samples": 40, "lr_warmup_samples": 39, "lr_decay_samples": 400},
+     "lr-warmup-samples (39) reaches beyond train-samples (40)"),
+    ({"train_iters": 4, "lr_decay_iters": 10},
+     "lr-decay-iters (10) reaches beyond train-iters (4): this run ends before the learning rate decays to --min-lr"),
+    ({"train_samples": 40, "rampup_batch_size": [1, 1, 40]},
+     "the ramp-up (40 samples) reaches beyond the 40 samples of this run: the global batch never reaches"),
+])
+def test_schedules_a_run_stops_before_completing_are_warned_of(flags, warning):
+    """A run trained in pieces legitimately ends mid-schedule (resumed later with a larger --train-iters), so
+    these are warnings printed at start-up, not refusals."""
+    assert warning in " ".join(schedule_warnings(schedule(**flags)))
+
+
+def test_a_schedule_the_run_completes_has_no_warning():
+    # the last step begins after 3 of 4 batches: a 3-iteration warmup reaches --lr in it
+    assert schedule_warnings(schedule(train_iters=4, lr_warmup_iters=3)) == []
+    assert schedule_warnings(schedule(train_samples=40, rampup_batch_size=[1, 1, 36])) == []
