@@ -20,6 +20,7 @@ import yaml
 
 from megatron_lite.config import Config
 from megatron_lite.data.samplers import iterations_in_samples
+from megatron_lite.files import read_text
 from megatron_lite.presets import MODEL_PRESETS
 from megatron_lite.validation import ConfigError, validate
 
@@ -160,13 +161,9 @@ def make_config(values: dict, world_size: int = 1) -> Config:
 
 def _read_yaml(path: str) -> dict:
     """Flag values (by field name) from a YAML file, each checked against its flag's type."""
+    text = read_text(path, ConfigError, "--config")
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"--config file not found: {path}") from None
-    except OSError as error:
-        raise ConfigError(f"cannot read --config {path} ({error.strerror})") from None
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"--config {path}{_yaml_error_line(error)}: not valid YAML "
                           f"({getattr(error, 'problem', None) or error})") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import time
 
@@ -17,6 +18,8 @@ import torch
 
 from megatron_lite.checkpoint.directory import checkpoint_path
 from megatron_lite.config import Config, LoggingConfig, ModelConfig
+from megatron_lite.errors import UserError
+from megatron_lite.files import read_text
 from megatron_lite.model.moe import moe_layer_numbers
 from megatron_lite.timers import PhaseTimers
 
@@ -213,10 +216,13 @@ def wandb_run_id(config: Config) -> str | None:
         return os.environ["WANDB_RUN_ID"]
     c = config.checkpoint
     stored = os.path.join(c.load, WANDB_RUN_ID_FILE) if c.load and not c.finetune else None
-    if stored is not None and os.path.isfile(stored):
-        with open(stored) as f:
-            return f.read().strip()
-    return None
+    if stored is None or not os.path.lexists(stored):
+        return None
+    run_id = read_text(stored, UserError).strip()
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id):
+        raise UserError(f"{stored} holds {run_id[:40]!r}, not a W&B run id; remove it to start a new W&B run, or set "
+                        f"WANDB_RUN_ID to the run to continue")
+    return run_id
 
 
 def start_wandb(config: Config):

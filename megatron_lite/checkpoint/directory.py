@@ -26,6 +26,7 @@ import shutil
 
 from megatron_lite.checkpoint.checksums import missing_or_resized
 from megatron_lite.checkpoint.planner import CheckpointError
+from megatron_lite.files import check_fields, read_json_object, read_text
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
@@ -74,11 +75,17 @@ def iteration_to_load(root: str, ckpt_step: int | None = None) -> int | None:
         return ckpt_step
     tracked = read_tracker(root)
     if tracked is not None and tracked not in complete:
-        fallback = (f"the newest complete one is iteration {complete[-1]}: pass --ckpt-step {complete[-1]} to load it"
-                    if complete else "no complete checkpoint is left: remove the tracker to train from scratch")
         raise CheckpointError(f"{os.path.join(root, TRACKER_FILE)} names iteration {tracked}, but "
-                              f"{checkpoint_path(root, tracked)} is not a complete checkpoint; {fallback}")
+                              f"{checkpoint_path(root, tracked)} is not a complete checkpoint; "
+                              f"{_without_tracker(complete)}")
     return complete[-1] if complete else None
+
+
+def _without_tracker(complete: list[int]) -> str:
+    """What to do when the tracker cannot be followed, given the complete iterations."""
+    if complete:
+        return f"the newest complete one is iteration {complete[-1]}: pass --ckpt-step {complete[-1]} to load it"
+    return "no complete checkpoint is left: remove the tracker to train from scratch"
 
 
 def previous_complete(root: str, iteration: int) -> str:
@@ -91,19 +98,47 @@ def previous_complete(root: str, iteration: int) -> str:
 
 
 def read_tracker(root: str) -> int | None:
-    try:
-        with open(os.path.join(root, TRACKER_FILE)) as f:
-            return int(f.read().strip())
-    except (FileNotFoundError, ValueError):
+    """The iteration the tracker file names (None without one); a tracker that names none is an error."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.lexists(path):
         return None
+    try:
+        text = read_text(path, CheckpointError).strip()
+        if not re.fullmatch(r"[0-9]+", text):
+            raise CheckpointError(f"{path} holds {text[:40]!r}, not an iteration number")
+    except CheckpointError as error:
+        raise CheckpointError(f"{error}; {_without_tracker(complete_iterations(root))}") from None
+    return int(text)
+
+
+# What metadata.json must hold for a load (the rest is informative), and the shape of what it may hold.
+_REQUIRED_METADATA = {"iteration": int, "consumed_samples": int, "optimizer": dict, "rng_layout": str}
+_OPTIONAL_METADATA = {"files": dict, "config": dict, "layout": dict, "hf": dict}
+_FILE_RECORD = {"bytes": int, "crc32": str}
 
 
 def read_metadata(path: str) -> dict:
+    """metadata.json of iteration directory `path`, checked to hold what a load reads from it; a damaged one
+    is an error naming the file and, for an iteration of a --save directory, the checkpoint to load instead."""
+    file = os.path.join(path, METADATA_FILE)
     try:
-        with open(os.path.join(path, METADATA_FILE)) as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{os.path.join(path, METADATA_FILE)} is damaged ({error})") from error
+        saved = read_json_object(file, CheckpointError)
+        check_fields(saved, _REQUIRED_METADATA, _OPTIONAL_METADATA, file, CheckpointError)
+        for name, record in saved.get("files", {}).items():
+            if not isinstance(record, dict):
+                raise CheckpointError(f"{file}: the record of {name} under 'files' is not an object")
+            check_fields(record, _FILE_RECORD, {}, f"{file}: the record of {name} under 'files'", CheckpointError)
+        check_fields(saved.get("hf", {}), {}, {"config": dict}, f"{file}: 'hf'", CheckpointError)
+        for section, values in saved.get("config", {}).items():
+            if not isinstance(values, dict):
+                raise CheckpointError(f"{file}: config section '{section}' is not an object")
+    except CheckpointError as error:
+        match = _ITERATION_DIR.match(os.path.basename(os.path.normpath(path)))
+        if match is None:
+            raise
+        fallback = previous_complete(os.path.dirname(os.path.normpath(path)), int(match.group(1)))
+        raise CheckpointError(f"{error}; {fallback}") from None
+    return saved
 
 
 def prepare(root: str, iteration: int) -> str:

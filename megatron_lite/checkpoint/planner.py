@@ -180,7 +180,11 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
+            try:
+                metadata = _MetadataUnpickler(stream).load()
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as error:
+                raise CheckpointError(f"{path} is not a readable DCP index ({type(error).__name__}: {error}); "
+                                      f"the checkpoint is damaged") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} does not hold DCP metadata")
         if getattr(metadata, "storage_meta", None) is not None:

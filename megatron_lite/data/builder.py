@@ -17,6 +17,7 @@ from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.index_cache import default_cache_dir, load_or_build
 from megatron_lite.data.indexed_dataset import IndexedDataset, bin_path
 from megatron_lite.errors import DataError
+from megatron_lite.files import read_text
 from megatron_lite.validation import ConfigError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -47,11 +48,7 @@ def parse_data_path(data_path: list[str], flag: str = "--data-path") -> tuple[li
 def read_data_args(path: str) -> list[str]:
     """The words of a --data-args-path file: what --data-path would take, split on any whitespace, so
     that a blend of hundreds of prefixes can be one `WEIGHT PREFIX` line each."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            words = f.read().split()
-    except OSError as error:
-        raise DataError(f"--data-args-path {path}: cannot read it ({error.strerror})") from None
+    words = read_text(path, DataError, "--data-args-path").split()
     if not words:
         raise DataError(f"--data-args-path {path} is empty; write PREFIX or WEIGHT PREFIX pairs in it")
     return words

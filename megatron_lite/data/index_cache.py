@@ -3,7 +3,8 @@
 Arrays are stored as `HASH-CLASS-NAME.npy` beside `HASH-CLASS-description.json`, where HASH is
 the md5 of the description (everything the arrays depend on) and CLASS its "class" entry.
 Every file is written under a temporary name and renamed; the description is renamed last,
-so its presence means the arrays are complete and can be read without a lock. Building is
+so its presence means the arrays are complete and can be read without a lock; a description or
+array that cannot be read (damaged on disk) is rebuilt, under the lock, with a warning. Building is
 guarded by a file lock rather than a torch.distributed barrier, which keeps the data code
 free of process groups and also serialises independent jobs that share a cache directory.
 """
@@ -11,12 +12,14 @@ free of process groups and also serialises independent jobs that share a cache d
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable
 
 import numpy as np
 from filelock import FileLock
 
 from megatron_lite.errors import DataError
+from megatron_lite.files import read_json_object
 
 
 def default_cache_dir(prefix: str) -> str:
@@ -43,19 +46,53 @@ def load_or_build(cache_dir: str, description: dict, build: Callable[[], dict[st
     """
     key = f"{description_hash(description)}-{description['class']}"
     marker = os.path.join(cache_dir, f"{key}-description.json")
+    arrays = _load(cache_dir, key, marker)
+    if arrays is not None:
+        return arrays
+    damaged = os.path.lexists(marker)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        lock = FileLock(os.path.join(cache_dir, f"{key}.lock"))
+        lock.acquire()
+    except OSError as error:  # no permission, no space, a file in the folder's place
+        raise _unwritable(cache_dir, marker, damaged, error) from None
+    try:
+        if _load(cache_dir, key, marker) is None:  # else another process built it while this one waited
+            if os.path.lexists(marker):
+                print(f"warning: the dataset index cache {marker} (or an array it lists) is damaged; rebuilding it",
+                      file=sys.stderr, flush=True)
+            arrays = build()
+            try:
+                _save(cache_dir, key, arrays, description, marker)
+            except OSError as error:
+                raise _unwritable(cache_dir, marker, damaged, error) from None
+    finally:
+        lock.release()
+    arrays = _load(cache_dir, key, marker)
+    if arrays is None:
+        raise DataError(f"the dataset index cache {marker} cannot be read back after it was written; "
+                        f"give another folder with --data-cache-path")
+    return arrays
+
+
+def _unwritable(cache_dir: str, marker: str, damaged: bool, error: OSError) -> DataError:
+    what = f"rebuild the damaged dataset index cache {marker}" if damaged else \
+        f"write the dataset index cache in {cache_dir}"
+    return DataError(f"cannot {what} ({error.strerror}); give a writable folder with --data-cache-path")
+
+
+def _load(cache_dir: str, key: str, marker: str) -> dict[str, np.ndarray] | None:
+    """The cached arrays, memory-mapped; None when the marker is missing, or it or an array it lists is
+    damaged (not JSON, the wrong shape, a file that is not a whole .npy), so that the cache is rebuilt."""
     if not os.path.isfile(marker):
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-            lock = FileLock(os.path.join(cache_dir, f"{key}.lock"))
-            with lock:
-                if not os.path.isfile(marker):
-                    _save(cache_dir, key, build(), description, marker)
-        except PermissionError as error:
-            raise DataError(f"cannot write the dataset index cache in {cache_dir} ({error.strerror}); "
-                            f"give a writable folder with --data-cache-path") from None
-    with open(marker, encoding="utf-8") as f:
-        names = json.load(f)["arrays"]
-    return {name: np.load(os.path.join(cache_dir, f"{key}-{name}.npy"), mmap_mode="r") for name in names}
+        return None
+    try:
+        names = read_json_object(marker, DataError).get("arrays")
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            return None
+        return {name: np.load(os.path.join(cache_dir, f"{key}-{name}.npy"), mmap_mode="r") for name in names}
+    except (OSError, ValueError, EOFError):  # DataError is a ValueError; numpy raises these for a damaged .npy
+        return None
 
 
 def _save(cache_dir: str, key: str, arrays: dict[str, np.ndarray], description: dict, marker: str) -> None:

@@ -192,7 +192,11 @@ class IndexedDataset:
                 raise DataError(f"data prefix {prefix!r}: {path} not found; {missing_prefix_hint(prefix)}")
         self.prefix = prefix
         self.mmap_bin = mmap_bin
-        self._index = _map(idx_path(prefix))
+        try:
+            self._index = _map(idx_path(prefix))
+            self._bin = _MappedBin(bin_path(prefix)) if mmap_bin else _FileBin(bin_path(prefix))
+        except OSError as error:  # no permission, an I/O error
+            raise DataError(f"data prefix {prefix!r}: cannot read {error.filename} ({error.strerror})") from None
         self.dtype, n_seq, n_doc = _read_header(self._index, idx_path(prefix))
         offset = _HEADER.size
         self.sequence_lengths = np.frombuffer(self._index, np.int32, n_seq, offset)
@@ -200,7 +204,6 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(self._index, np.int64, n_seq, offset)
         offset += n_seq * 8
         self.document_indices = np.frombuffer(self._index, np.int64, n_doc, offset)
-        self._bin = _MappedBin(bin_path(prefix)) if mmap_bin else _FileBin(bin_path(prefix))
         self._check_index_matches_bin()
 
     def _check_index_matches_bin(self) -> None:

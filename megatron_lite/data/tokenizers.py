@@ -10,6 +10,7 @@ import json
 import os
 
 from megatron_lite.errors import DataError
+from megatron_lite.files import read_bytes, read_json_object
 
 # Names that mark the end of a document in common tokenizer.json files, tried in order when
 # no tokenizer_config.json says which token is the eos.
@@ -25,14 +26,13 @@ def _require_file(path: str | None, flag_hint: str) -> str:
     return path
 
 
-def _other_kind_hint(path: str, tokenizer_type: str) -> str:
-    """'; use --tokenizer-type X' when the file that failed to load looks like the other kind.
+def _other_kind_hint(raw: bytes, tokenizer_type: str) -> str:
+    """'; use --tokenizer-type X' when the file (its bytes `raw`) that failed to load looks like the other kind.
 
     A tokenizer.json is JSON text and a sentencepiece .model is a binary protobuf, so the first
     byte tells them apart well enough to say which flag the user meant.
     """
-    with open(path, "rb") as f:
-        looks_like_json = f.read(64).lstrip().startswith(b"{")
+    looks_like_json = raw[:64].lstrip().startswith(b"{")
     if looks_like_json and tokenizer_type != "HuggingFaceTokenizer":
         return "; it looks like a Hugging Face tokenizer.json: use --tokenizer-type HuggingFaceTokenizer"
     if not looks_like_json and tokenizer_type != "SentencePieceTokenizer":
@@ -51,11 +51,12 @@ class SentencePieceTokenizer:
         import sentencepiece
 
         path = _require_file(model_file, "SentencePieceTokenizer")
+        raw = read_bytes(path, DataError, "tokenizer model")
         try:
-            self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+            self._sp = sentencepiece.SentencePieceProcessor(model_proto=raw)
         except (RuntimeError, OSError) as error:
             raise DataError(f"{path} is not a sentencepiece model ({error})"
-                            f"{_other_kind_hint(path, 'SentencePieceTokenizer')}") from None
+                            f"{_other_kind_hint(raw, 'SentencePieceTokenizer')}") from None
         self.vocab_size = self._sp.get_piece_size()
         if self._sp.eos_id() < 0:
             raise DataError(f"sentencepiece model {path} has no eos piece to end documents; "
@@ -86,11 +87,12 @@ class HuggingFaceTokenizer:
         if not os.path.isfile(file):
             raise DataError(f"{file} not found; --tokenizer-model takes a tokenizer.json "
                             f"or a folder holding one")
+        raw = read_bytes(file, DataError, "tokenizer")
         try:
-            self._tok = Tokenizer.from_file(file)
+            self._tok = Tokenizer.from_str(raw.decode("utf-8", errors="replace"))
         except Exception as error:  # the tokenizers library raises plain Exception for any unreadable file
             raise DataError(f"{file} is not a Hugging Face tokenizer.json ({error})"
-                            f"{_other_kind_hint(file, 'HuggingFaceTokenizer')}") from None
+                            f"{_other_kind_hint(raw, 'HuggingFaceTokenizer')}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         config = _read_tokenizer_config(folder)
         eod = self._token_id(config.get("eos_token"), _EOD_CANDIDATES)
@@ -117,11 +119,19 @@ class HuggingFaceTokenizer:
 
 
 def _read_tokenizer_config(folder: str) -> dict:
+    """tokenizer_config.json beside a tokenizer.json ({} without one), checked where its special tokens are named:
+    each a token's text, an object with its "content" (as transformers saves an AddedToken), or null."""
     path = os.path.join(folder, "tokenizer_config.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    config = read_json_object(path, DataError)
+    for key in ("eos_token", "pad_token"):
+        value = config.get(key)
+        text = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(text, str):
+            raise DataError(f"{path}: '{key}' is {json.dumps(value)[:60]}; give the token's text, or an object "
+                            f"with its text as \"content\"")
+    return config
 
 
 class NullTokenizer:

@@ -14,10 +14,13 @@ converted into a different network.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.errors import UserError
+from megatron_lite.files import is_a
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe")
 
@@ -151,9 +154,34 @@ _FROM_HF = {"llama": _llama_values, "qwen2": _qwen_values, "qwen3": _qwen_values
             "mixtral": _mixtral_values, "qwen3_moe": _qwen_moe_values, "qwen2_moe": _qwen_moe_values}
 
 
+# The types of the config.json keys read above (null stands for a missing key), checked before any is used.
+_INTEGER_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "head_dim",
+                 "num_key_value_heads", "max_position_embeddings", "vocab_size", "num_local_experts", "num_experts",
+                 "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "decoder_sparse_step", "sliding_window", "n_embd", "n_positions", "n_layer", "n_head", "n_inner")
+_NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "initializer_range", "attention_dropout", "router_aux_loss_coef",
+                "layer_norm_epsilon", "resid_pdrop", "attn_pdrop", *_LLAMA3_ROPE_FLAGS)
+_OBJECT_KEYS = ("rope_parameters", "rope_scaling")
+
+
+def _check_types(hf: dict) -> None:
+    """A ConversionError naming the first key of config.json (or of its RoPE parameters) of the wrong type."""
+    records = [("config.json", hf)] + [(f"config.json's {key}", hf[key]) for key in _OBJECT_KEYS
+                                       if isinstance(hf.get(key), dict)]
+    for where, record in records:
+        for keys, kind, name in ((_INTEGER_KEYS, int, "an integer"), (_NUMBER_KEYS, float, "a number"),
+                                 (_OBJECT_KEYS, dict, "an object")):
+            for key in keys:
+                value = record.get(key)
+                if value is not None and not is_a(value, kind):
+                    raise ConversionError(f"{where}: '{key}' is {json.dumps(value)[:40]}, expected {name}")
+
+
 def model_values_from_hf(hf: dict) -> dict:
     """config.json -> values of pretrain_gpt.py's model flags (ModelConfig field names)."""
-    return _FROM_HF[family_of_hf(hf)](hf)
+    family = family_of_hf(hf)
+    _check_types(hf)
+    return _FROM_HF[family](hf)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_lite.files import is_a, read_json_object
 from megatron_lite.hf.configs import ConversionError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -35,10 +36,9 @@ def read_hf_config(folder: str) -> dict:
         raise ConversionError(f"{folder} is not a local directory (nothing is downloaded: fetch the model first, "
                               f"e.g. with `huggingface-cli download`)")
     path = os.path.join(folder, CONFIG_NAME)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise ConversionError(f"no {CONFIG_NAME} in {folder}")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(path, ConversionError)
 
 
 class HFWeights(Mapping):
@@ -49,11 +49,10 @@ class HFWeights(Mapping):
 
     def __init__(self, folder: str):
         index, single = os.path.join(folder, INDEX_NAME), os.path.join(folder, WEIGHTS_NAME)
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                self.file_of = {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
-        elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
+        if os.path.lexists(index):
+            self.file_of = {name: os.path.join(folder, file) for name, file in _weight_map(index).items()}
+        elif os.path.lexists(single):
+            with _open_safetensors(single) as f:
                 self.file_of = dict.fromkeys(f.keys(), single)
         else:
             legacy = " (pytorch_model.bin is not read: re-save it with save_pretrained(safe_serialization=True))" \
@@ -67,7 +66,7 @@ class HFWeights(Mapping):
 
     def _handle(self, file: str):
         if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
+            self._handles[file] = _open_safetensors(file)
         return self._handles[file]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -83,6 +82,25 @@ class HFWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+def _weight_map(index: str) -> dict[str, str]:
+    """The "weight_map" of a model.safetensors.index.json: tensor name -> file name beside it."""
+    weight_map = read_json_object(index, ConversionError).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+        raise ConversionError(f"{index}: 'weight_map' should be an object mapping each tensor name to its file, "
+                              f"is {json.dumps(weight_map)[:60]}")
+    return weight_map
+
+
+def _open_safetensors(file: str):
+    """A safetensors file opened for reading, or a ConversionError naming it (unreadable, not safetensors)."""
+    try:
+        return safe_open(file, framework="pt")
+    except OSError as error:
+        raise ConversionError(f"cannot read weights file {file} ({error.strerror or error})") from None
+    except Exception as error:  # safetensors raises its own SafetensorError for a damaged header
+        raise ConversionError(f"weights file {file} is not a safetensors file ({error})") from None
 
 
 def parse_size(text: str) -> int:
@@ -143,11 +161,15 @@ def write_hf_config(folder: str, config: dict) -> None:
 def generation_token_ids(folder: str) -> dict:
     """bos/eos/pad token ids from a folder's generation_config.json ({} without one)."""
     path = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        generation = json.load(f)
-    return {key: generation[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in generation}
+    generation = read_json_object(path, ConversionError)
+    ids = {key: generation[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in generation}
+    for key, value in ids.items():
+        if not (value is None or is_a(value, int) or (isinstance(value, list) and all(is_a(v, int) for v in value))):
+            raise ConversionError(f"{path}: '{key}' is {json.dumps(value)[:40]}; a token id is an integer (or a "
+                                  f"list of them, or null)")
+    return ids
 
 
 def copy_carried_files(source: str, target: str) -> list[str]:

@@ -1,0 +1,91 @@
+"""Reading the small side files a run or a tool depends on, with one line for whatever is wrong with them.
+
+A tracker, a metadata.json, a tokenizer_config.json or a --data-args-path file can be missing, a directory,
+unreadable, binary, empty, cut short or of the wrong shape. Each reader here turns every one of those into
+the caller's UserError subclass (DataError, CheckpointError, ConversionError, ...) with a message that names
+the file and says what is wrong, instead of a traceback from inside `json` or a KeyError far from the file.
+"""
+
+from __future__ import annotations
+
+import json
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+               dict: "an object", type(None): "null"}
+
+
+def _name(path: str, what: str) -> str:
+    return f"{what} {path}" if what else str(path)
+
+
+def read_bytes(path: str, error: type[Exception], what: str = "") -> bytes:
+    """The bytes of file `path`; `error` (one line naming it) when it is missing, a directory or unreadable.
+    `what` says which file it is (a flag such as "--data-args-path", or "")."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as problem:  # not found, a directory, no permission, an I/O error: strerror says which
+        raise error(f"{_name(path, what)}: cannot read it ({problem.strerror})") from None
+
+
+def read_text(path: str, error: type[Exception], what: str = "") -> str:
+    """The UTF-8 text of file `path`, or `error` saying why it is not text (binary, another encoding)."""
+    raw = read_bytes(path, error, what)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as problem:
+        raise error(f"{_name(path, what)}: not UTF-8 text (byte {problem.start} is "
+                    f"{raw[problem.start:problem.start + 1]!r}); is it a binary file?") from None
+    if "\x00" in text:
+        raise error(f"{_name(path, what)}: a binary file, not text (a NUL byte at byte {text.index(chr(0))})")
+    return text
+
+
+def read_json(path: str, error: type[Exception], what: str = ""):
+    """The JSON value in file `path`, or `error` saying why there is none (empty, cut short, not JSON)."""
+    text = read_text(path, error, what)
+    if not text.strip():
+        raise error(f"{_name(path, what)}: empty, where JSON was expected")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as problem:
+        cut = "; the file ends early (cut short?)" if problem.pos >= len(text.rstrip()) else ""
+        raise error(f"{_name(path, what)}: not valid JSON (line {problem.lineno} column {problem.colno}: "
+                    f"{problem.msg}){cut}") from None
+
+
+def read_json_object(path: str, error: type[Exception], what: str = "") -> dict:
+    """The JSON object (a dict) in file `path`, or `error` saying what the file holds instead."""
+    value = read_json(path, error, what)
+    if not isinstance(value, dict):
+        raise error(f"{_name(path, what)}: holds {type_name(value)}, not a JSON object")
+    return value
+
+
+def type_name(value) -> str:
+    """How a JSON value's type reads in an error: 'a list', 'an integer', 'null'."""
+    return next((name for kind, name in _TYPE_NAMES.items() if isinstance(value, kind)), type(value).__name__)
+
+
+def is_a(value, kind) -> bool:
+    """Whether a JSON value is of `kind` (int never accepts a bool; float accepts an int)."""
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def check_fields(record: dict, required: dict, optional: dict, where: str, error: type[Exception]) -> None:
+    """`error` naming `where` (a file, or a key in one) when a key of `required` is missing or a key of either
+    mapping holds a value of another type than the one it maps to (a type, or a tuple of types)."""
+    for key, kind in {**required, **optional}.items():
+        if key not in record:
+            if key in required:
+                raise error(f"{where} has no '{key}'")
+            continue
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not any(is_a(record[key], k) for k in kinds):
+            expected = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+            raise error(f"{where}: '{key}' is {type_name(record[key])} {json.dumps(record[key])[:40]}, "
+                        f"expected {expected}")
