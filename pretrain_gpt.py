@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pretrain(config, model_provider, forward_step)
     except UserError as error:
-        return _fail(error, debug, world_size)
+        return _fail(error, debug, world_size, status=getattr(error, "exit_code", 1))
     except RuntimeError as error:  # a stuck or dead rank, when it is one
         known = as_timeout_error(error, config.training.distributed_timeout_minutes) or as_peer_lost_error(error)
         if known is None:

@@ -45,6 +45,7 @@ _CHOICES = {
     "attention_backend": ["auto", "flash", "sdpa"],
     "device": ["auto", "cuda", "cpu"],
     "tokenizer_type": ["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
+    "rerun_mode": ["disabled", "validate_results", "report_stats"],
 }
 _DERIVED = {"data_parallel_size"}
 # Flags that take a fixed number of values, by the name of each value.

@@ -331,6 +331,11 @@ class TrainingConfig:
     """iterations between evaluations on the validation split"""
     eval_iters: int = 10
     """global batches of each evaluation"""
+    calculate_per_token_loss: bool = False
+    """train on the mean loss over all unmasked tokens of the global batch; default (Megatron's): each
+    micro-batch's mean over its unmasked tokens, averaged over the micro-batches and data-parallel ranks. The two
+    differ only when a loss mask (--eod-mask-loss) leaves micro-batches with different token counts; the
+    logged lm loss is the token mean in both"""
     seed: int = 1234
     """seed of weights, data order and dropout"""
     device: str = "auto"
@@ -343,6 +348,19 @@ class TrainingConfig:
     """save and exit once this many minutes have passed"""
     distributed_timeout_minutes: float = 10.0
     """a collective that waits longer ends the run with an error"""
+    rerun_mode: str = "validate_results"
+    """validate_results: an iteration whose loss or gradient norm is suspicious (not finite, or with
+    --check-for-spiky-loss / --check-for-large-grads at least 10x the largest of the first 100) is run again on
+    the same data before its step: the same result is the data's (recorded, training goes on), another one a
+    fault of the machine (the ranks are named and the run stops with exit status 17); disabled: only record and
+    warn; report_stats: run every iteration twice and log the largest relative difference"""
+    check_for_spiky_loss: bool = False
+    """treat a loss of at least 10x the largest of the first 100 as suspicious (see --rerun-mode)"""
+    check_for_large_grads: bool = False
+    """treat a gradient norm of at least 10x the largest of the first 100 as suspicious (see --rerun-mode)"""
+    result_rejected_tracker_filename: str | None = None
+    """file that rank 0 appends a line to for each suspicious result and what its rerun showed (Megatron's
+    format)"""
 
 
 @dataclass
@@ -405,6 +423,12 @@ class LoggingConfig:
     profile_dir: str | None = None
     """where --profile writes rank<R>.pt.trace.json; default: --tensorboard-dir when set (as in Megatron), else
     ./profile"""
+    record_memory_history: bool = False
+    """CUDA only: record the caching allocator's history on each of --profile-ranks and dump it to
+    --memory-snapshot-path at every log interval and on out-of-memory (open it at pytorch.org/memory_viz)"""
+    memory_snapshot_path: str = "snapshot.pickle"
+    """where --record-memory-history dumps: BASE_RANK.EXT at log intervals, BASE_oom_rank_RANK.EXT on
+    out-of-memory"""
 
 
 @dataclass

@@ -8,19 +8,18 @@ batch, finalizes gradients (data-parallel reduction, loss normalisation), and st
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 import torch.distributed as dist
 
+from megatron_lite import memory_snapshots
 from megatron_lite.checkpoint.checkpointing import Checkpointer, ResumeState
 from megatron_lite.checkpoint.graceful_exit import ExitConditions, ExitSignalHandler
 from megatron_lite.config import Config
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
-from megatron_lite.errors import TrainingDivergedError
 from megatron_lite.logging import TrainingLogger
 from megatron_lite.model.moe import moe_metrics, update_expert_biases
 from megatron_lite.optim.data_parallel import DistributedDataParallel
@@ -28,6 +27,7 @@ from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
+from megatron_lite.output_paths import check_written_locations
 from megatron_lite.parallel import lifecycle, mappings
 from megatron_lite.parallel.random import set_random_seed
 from megatron_lite.parallel.state import Layout, ParallelState
@@ -35,8 +35,15 @@ from megatron_lite.pipeline import schedules
 from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.planning.report import theoretical_memory_report
 from megatron_lite.profiling import StepProfiler
+from megatron_lite.rerun_state_machine import (
+    ReplayableIterator,
+    RerunStateMachine,
+    Result,
+    rank_fingerprint,
+    world_group,
+)
 from megatron_lite.timers import PhaseTimers
-from megatron_lite.validation import schedule_warnings
+from megatron_lite.validation import ConfigError, schedule_warnings
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -241,46 +248,42 @@ def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> torch.Ten
 
 def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,
                pstate: ParallelState, iteration: int, device, timers: PhaseTimers | None = None,
-               consumed_samples: int | None = None) -> dict:
-    """Forward and backward over one global batch, then one optimizer step. With
-    --check-for-nan-in-loss-and-grad a non-finite loss or gradient norm stops the run before the step is
-    applied (every rank sees the same reduced values, so every rank stops). `timers` collects the time of
+               consumed_samples: int | None = None, rerun: RerunStateMachine | None = None) -> dict:
+    """Forward and backward over one global batch, then one optimizer step. `rerun` judges the loss and
+    gradient norm before the step is applied and may run the iteration again (rerun_state_machine.py; without
+    it, only --check-for-nan-in-loss-and-grad applies: a non-finite loss or gradient norm stops the run).
+    Every rank judges the same reduced values, so every rank decides alike. `timers` collects the time of
     each phase. The samples consumed before the step (default: `iteration` batches of --global-batch-size,
     right without --rampup-batch-size) decide its global batch size, learning rate and weight decay."""
     timers = timers or PhaseTimers(torch.device("cpu"))
+    rerun = rerun or RerunStateMachine(config, pstate.rank, mode="disabled")
     if consumed_samples is None:
         consumed_samples = iteration * config.training.global_batch_size
     global_batch_size = config.global_batch_size_at(consumed_samples)
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    with timers.phase("forward_backward"):
-        reports, tokens = get_schedule(config)(
-            forward_step_func, data_iterator, model, config.num_microbatches_at(consumed_samples), pstate=pstate,
-            config=config, loss_scale=optimizer.loss_scale)
-    with timers.phase("grad_reduce"):
-        finalize_model_grads(model, pstate, tokens)
+    rerun.start_iteration(model, device, data_iterator)
+    while True:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        with timers.phase("forward_backward"):
+            reports, tokens = get_schedule(config)(
+                forward_step_func, data_iterator, model, config.num_microbatches_at(consumed_samples),
+                pstate=pstate, config=config, loss_scale=optimizer.loss_scale)
+        fingerprint = rank_fingerprint(reports, model, device) if rerun.names_faulty_ranks else None
+        with timers.phase("grad_reduce"):
+            finalize_model_grads(model, pstate, tokens)
+        with timers.phase("optimizer"):
+            grad_norm = optimizer.prepare_grads()
+            lm_loss, grad_norm = torch.stack([reduce_loss(reports, pstate, device), grad_norm]).tolist()  # one sync
+        if not rerun.should_rerun(Result(lm_loss, grad_norm, fingerprint), iteration, model, device, data_iterator):
+            break
     with timers.phase("optimizer"):
-        grad_norm = optimizer.prepare_grads()
-        lm_loss, grad_norm = torch.stack([reduce_loss(reports, pstate, device), grad_norm]).tolist()  # one sync
-        check = config.optimizer.check_for_nan_in_loss_and_grad
-        if check and not math.isfinite(lm_loss):
-            raise _diverged(iteration, "lm loss", lm_loss)
         lr = learning_rate(config, consumed_samples)
         update_successful = optimizer.apply(lr, grad_norm, weight_decay(config, consumed_samples))
         update_expert_biases(model, pstate, config)
-        if check and not update_successful and optimizer.grad_scaler is None:
-            raise _diverged(iteration, "grad norm", grad_norm)
     # logged as Megatron logs it: the scheduler's rate after the step, the one the next iteration uses
     next_lr = learning_rate(config, consumed_samples + global_batch_size)
     return {"lm_loss": lm_loss, "grad_norm": grad_norm, "lr": next_lr, "global_batch_size": global_batch_size,
             "loss_scale": optimizer.loss_scale, "skipped_iter": int(not update_successful)}
-
-
-def _diverged(iteration: int, which: str, value: float) -> TrainingDivergedError:
-    return TrainingDivergedError(
-        f"iteration {iteration + 1}: {which} is {value}; the step was not applied and nothing after iteration "
-        f"{iteration} was saved (lower --lr, raise --clip-grad or resume from the last checkpoint; "
-        f"--no-check-for-nan-in-loss-and-grad trains on)")
 
 
 @torch.no_grad()
@@ -320,6 +323,10 @@ def _train(config: Config, pstate: ParallelState, device, model_provider, forwar
     if pstate.rank == 0:
         for warning in schedule_warnings(config):
             print(f"warning: {warning}", flush=True)
+    snapshot_problem = memory_snapshots.validation_problem(config, device)
+    if snapshot_problem is not None:
+        raise ConfigError(snapshot_problem)
+    check_written_locations(config, pstate.rank, pstate.layout.world_size, world_group())
     set_vocab_size_from_tokenizer(config)
     datasets = build_datasets(config)  # first: a broken corpus fails before any compute
     c = config.checkpoint
@@ -342,12 +349,14 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
     c, t = config.checkpoint, config.training
     if pstate.rank == 0:
         print(theoretical_memory_report(config), flush=True)
+    memory_history = memory_snapshots.MemoryHistory(config, pstate.rank, pstate.pp_rank, device)
     model, optimizer = setup_model_and_optimizer(config, pstate, model_provider, device)
     resume = checkpointer.load_checkpoint(model, optimizer) if c.load else ResumeState()
     consumed_samples = resume.consumed_samples
     timers = PhaseTimers(device)
-    train_iterator = timers.timed_iterator(build_data_iterator(train_ds, config, pstate, consumed_samples)
-                                           if resume.iteration < t.train_iters else None)
+    train_iterator = ReplayableIterator(timers.timed_iterator(
+        build_data_iterator(train_ds, config, pstate, consumed_samples) if resume.iteration < t.train_iters else None))
+    rerun = RerunStateMachine(config, pstate.rank, world_group())
     evaluations_done = resume.iteration // t.eval_interval
     valid_consumed = evaluations_done * t.eval_iters * t.global_batch_size
     valid_iterator = (build_data_iterator(valid_ds, config, pstate, valid_consumed)
@@ -368,12 +377,14 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
             for iteration in range(resume.iteration, t.train_iters):
                 profiler.step(iteration)
                 metrics = train_step(forward_step_func, train_iterator, model, optimizer, config, pstate,
-                                     iteration, device, timers, consumed_samples)
+                                     iteration, device, timers, consumed_samples, rerun)
                 consumed_samples += metrics["global_batch_size"]
                 completed = iteration + 1
                 metrics["consumed_samples"] = consumed_samples
                 if completed % config.logging.log_interval == 0:
                     metrics.update(moe_metrics(model, pstate, config))  # load balance over the log interval
+                    metrics.update(rerun.read_stats())
+                    memory_history.dump(completed)
                 history.append(logger.log_iteration(iteration + 1, metrics, timers))
                 if valid_iterator is not None and (iteration + 1) % config.training.eval_interval == 0:
                     logger.log_evaluation(iteration + 1, evaluate(forward_step_func, valid_iterator, model, config,
@@ -395,4 +406,5 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                 logger.log_checkpoint(completed)
     finally:
         logger.close()
+        memory_history.close()
     return history

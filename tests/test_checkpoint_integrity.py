@@ -265,6 +265,6 @@ def test_a_forked_worker_does_not_keep_the_lock_of_a_finished_run(tmp_path):
 def test_an_unwritable_save_directory_fails_at_start_up(tmp_path):
     (tmp_path / "file.txt").write_text("a file, not a directory")  # refuses writes even to root
     save = str(tmp_path / "file.txt" / "ckpt")
-    with pytest.raises(CheckpointError, match=rf"--save {save} is not writable on {socket.gethostname()}: "
-                                              r"Not a directory"):
+    with pytest.raises(CheckpointError, match=rf"--save {save} cannot be written on {socket.gethostname()}: "
+                                              rf"{tmp_path / 'file.txt'} is a file, not a directory"):
         _checkpointer(save)

@@ -30,11 +30,11 @@ def all_gather(item, group) -> list:
     return items
 
 
-def agree(problem: str | None, group) -> None:
-    """Raise the first problem any rank found (`None`: this rank found none), on every rank."""
+def agree(problem: str | None, group, error: type[Exception] = CheckpointError) -> None:
+    """Raise the first problem any rank found (`None`: this rank found none) as `error`, on every rank."""
     problem = next((p for p in all_gather(problem, group) if p is not None), None)
     if problem is not None:
-        raise CheckpointError(problem)
+        raise error(problem)
 
 
 def decided_by_coordinator(decide: Callable, group, is_coordinator: bool):

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_lite.checkpoint import checksums, directory
 from megatron_lite.checkpoint.agreement import agree, all_gather, decided_by_coordinator, rank_and_size
+from megatron_lite.checkpoint.load_path import load_problem
 from megatron_lite.checkpoint.planner import (
     CheckpointError,
     RecordingFileSystemWriter,
@@ -139,6 +140,8 @@ class Checkpointer:
         self.pending: Future | None = None
         self.last_saved_iteration: int | None = None
         self.staging: dict[tuple, torch.Tensor] = {}  # CPU copies of the last async save, reused
+        if config.checkpoint.load:
+            agree(load_problem(config.checkpoint.load), self.group)
         self.save_lock = self._claim_save_directory() if config.checkpoint.save else None
 
     def _claim_save_directory(self) -> SaveLock | None:

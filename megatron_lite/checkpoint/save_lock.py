@@ -21,6 +21,8 @@ import os
 import socket
 import weakref
 
+from megatron_lite import output_paths
+
 LOCK_FILE = "run.lock"
 _held_locks: set[weakref.finalize] = set()  # the unlock finalizers of the locks this process holds
 
@@ -41,15 +43,7 @@ os.register_at_fork(after_in_child=_close_inherited_locks)
 
 def unwritable(root: str) -> str | None:
     """Why this process cannot create files in `root` (made if missing), or None when it can."""
-    probe = os.path.join(root, f".write_probe.{socket.gethostname()}.{os.getpid()}")
-    try:
-        os.makedirs(root, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("probe\n")
-        os.remove(probe)
-    except OSError as error:
-        return f"--save {root} is not writable on {socket.gethostname()}: {error.strerror or error}"
-    return None
+    return output_paths.unwritable(output_paths.Location("--save", root, is_file=False))
 
 
 class SaveLock:

@@ -170,6 +170,21 @@ def update_expert_biases(model_chunks, pstate: ParallelState, config: Config) ->
         layer.router.expert_bias += (m.moe_router_bias_update_rate * torch.sign(load.mean() - load)).float()
 
 
+def moe_statistics(model_chunks) -> list[tuple]:
+    """What this rank's MoE layers have accumulated since the last update and log (a copy), for
+    `load_moe_statistics` to put back when an iteration is run again."""
+    def copy(tensor):
+        return None if tensor is None else tensor.clone()
+
+    return [(copy(layer.statistics), copy(layer.load_since_bias_update)) for layer in moe_layers(model_chunks)]
+
+
+def load_moe_statistics(model_chunks, saved: list[tuple]) -> None:
+    for layer, (statistics, load) in zip(moe_layers(model_chunks), saved):
+        layer.statistics = None if statistics is None else statistics.clone()
+        layer.load_since_bias_update = None if load is None else load.clone()
+
+
 def moe_layer_numbers(config: ModelConfig) -> list[int]:
     """Global indices of the MoE layers."""
     return list(range(0, config.num_layers, config.moe_layer_freq)) if config.num_experts else []

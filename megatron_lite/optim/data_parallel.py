@@ -265,6 +265,14 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in self.buckets:
             bucket.finish_grad_reduction()
 
+    def grad_buffer_square_sum(self) -> torch.Tensor:
+        """The sum of squares of this rank's gradient buffers as they are now. Before finish_grad_sync they hold
+        this rank's own gradients, except the buckets that --overlap-grad-reduce (or ZeRO-2/3, at the end of
+        each backward) has already reduced."""
+        device = self.buffers[0].data.device if self.buffers else torch.device("cpu")
+        return sum((torch.linalg.vector_norm(buffer.data) ** 2 for buffer in self.buffers),
+                   torch.zeros((), device=device))
+
     def scale_gradients(self, factor: float | torch.Tensor) -> None:
         for buffer in self.buffers:
             buffer.data.mul_(factor)

@@ -2,7 +2,8 @@
 
 Joining: every group gets `--distributed-timeout-minutes` (torch's default is 30 minutes, and subgroups
 do not inherit the default group's), so a stuck rank ends the run instead of stalling it. Ranks that never
-join the process group, and, before the first step, ranks that never finish starting up, are named.
+join the process group, and, before the first step, ranks that never finish starting up, are named, as stuck
+or, when they died, as exited.
 
 Leaving: gloo's worker threads may hold the last reference to a finished collective's work object; if
 they drop it while the interpreter finalizes, the process aborts ("terminate called without an active
@@ -17,6 +18,7 @@ import datetime
 import gc
 import os
 import re
+import time
 
 import torch
 import torch.distributed as dist
@@ -90,14 +92,22 @@ def startup_barrier(timeout: datetime.timedelta) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    start = time.monotonic()
     try:
         dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as error:
         missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(error))
         who = f"rank(s) {missing.group(1).strip()}" if missing else "some ranks"
-        raise CollectiveTimeoutError(
-            f"{who} did not finish starting up within {_minutes(timeout)} (--distributed-timeout-minutes): "
-            f"they are stuck or dead") from error
+        raise startup_failure(who, time.monotonic() - start, timeout) from error
+
+
+def startup_failure(who: str, waited_s: float, timeout: datetime.timedelta) -> UserError:
+    """The barrier fails at once when a rank's connection closes (the rank exited: its own log says why), and
+    only after `timeout` when a rank is alive but stuck."""
+    if waited_s < 0.9 * timeout.total_seconds():
+        return PeerLostError(f"{who} exited during start-up, after {waited_s:.0f} s (see their own error above)")
+    return CollectiveTimeoutError(f"{who} did not finish starting up within {_minutes(timeout)} "
+                                  f"(--distributed-timeout-minutes): they are stuck")
 
 
 def as_timeout_error(error: BaseException, timeout_minutes: float) -> CollectiveTimeoutError | None:
