@@ -31,14 +31,13 @@ def read_bytes(path: str, error: type[Exception], what: str = "") -> bytes:
 def read_text(path: str, error: type[Exception], what: str = "") -> str:
     """The UTF-8 text of file `path`, or `error` saying why it is not text (binary, another encoding)."""
     raw = read_bytes(path, error, what)
+    if b"\x00" in raw:  # no text encoding a side file uses writes NUL bytes; binary formats are full of them
+        raise error(f"{_name(path, what)}: a binary file, not text (a NUL byte at byte {raw.index(0)})")
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as problem:
         raise error(f"{_name(path, what)}: not UTF-8 text (byte {problem.start} is "
                     f"{raw[problem.start:problem.start + 1]!r}); is it a binary file?") from None
-    if "\x00" in text:
-        raise error(f"{_name(path, what)}: a binary file, not text (a NUL byte at byte {text.index(chr(0))})")
-    return text
 
 
 def read_json(path: str, error: type[Exception], what: str = ""):
@@ -49,9 +48,11 @@ def read_json(path: str, error: type[Exception], what: str = ""):
     try:
         return json.loads(text)
     except json.JSONDecodeError as problem:
-        cut = "; the file ends early (cut short?)" if problem.pos >= len(text.rstrip()) else ""
+        # The parser reached the end of the file (an open string runs to it): the file was cut short.
+        ended = problem.pos >= len(text.rstrip()) or problem.msg.startswith("Unterminated string")
+        cut = "; the file ends early (cut short?)" if ended else ""
         raise error(f"{_name(path, what)}: not valid JSON (line {problem.lineno} column {problem.colno}: "
-                    f"{problem.msg}){cut}") from None
+                    f"{problem.msg.removesuffix(' starting at')}){cut}") from None
 
 
 def read_json_object(path: str, error: type[Exception], what: str = "") -> dict:

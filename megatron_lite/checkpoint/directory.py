@@ -105,7 +105,7 @@ def read_tracker(root: str) -> int | None:
     try:
         text = read_text(path, CheckpointError).strip()
         if not re.fullmatch(r"[0-9]+", text):
-            raise CheckpointError(f"{path} holds {text[:40]!r}, not an iteration number")
+            raise CheckpointError(f"{path}: holds {text[:40]!r}, not an iteration number")
     except CheckpointError as error:
         raise CheckpointError(f"{error}; {_without_tracker(complete_iterations(root))}") from None
     return int(text)
