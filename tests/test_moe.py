@@ -14,7 +14,7 @@ from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.host_reads import counted_device_reads
 from megatron_lite.model import moe_experts
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.loss_scaling import scaled_loss
+from megatron_lite.model.loss_scaling import LossScaling, scaled_loss
 from megatron_lite.model.moe import (
     MoELayer,
     moe_metrics,
@@ -231,7 +231,7 @@ def test_moe_loss_gradients_follow_the_fp16_loss_scale():
     (layer(x) * upstream).sum().backward()
     unscaled = [p.grad.clone() for p in layer.parameters()]
     layer.zero_grad()
-    with scaled_loss(1024.0):  # as the schedule runs each forward
+    with scaled_loss(LossScaling(loss_scale=1024.0)):  # as the schedule runs each forward
         output = layer(x)
     ((output * upstream).sum() * 1024.0).backward()
     for got, want in zip([p.grad for p in layer.parameters()], unscaled, strict=True):

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import Config, ModelConfig
-from megatron_lite.model.loss_scaling import current_loss_scale
+from megatron_lite.model.loss_scaling import auxiliary_loss_weight
 from megatron_lite.model.moe_experts import GroupedExperts, SharedExpertMLP
 from megatron_lite.model.moe_router import MoEAuxLossAutoScaler, RouterLosses, TopKRouter, capacity_keep_mask
 from megatron_lite.model.moe_token_dispatcher import TOKEN_DISPATCHERS
@@ -80,7 +80,7 @@ class MoELayer(torch.nn.Module):
         keep = self._capacity_keep_mask(probs, indices) if self.capacity_factor is not None else None
         record = self._statistics_record(losses, keep)
         probs = MoEAuxLossAutoScaler.apply(probs, losses.aux_loss + losses.z_loss,
-                                           losses.num_tokens * current_loss_scale(),
+                                           auxiliary_loss_weight(losses.num_tokens),
                                            lambda: self._record_statistics(record))
         expert_inputs, tokens_per_expert, handle = self.token_dispatcher.dispatch(tokens, probs, indices, keep)
         output = self.token_dispatcher.combine(self.experts(expert_inputs, tokens_per_expert), handle)

@@ -28,10 +28,10 @@ routing reads nothing back from the device.
 
 The losses are not returned to the training loop: `MoEAuxLossAutoScaler` (Megatron's name) attaches
 them to the router's output so that the backward pass of the language-model loss also differentiates
-them, on whatever pipeline stage the layer lives. The language-model loss is a sum over tokens that
-finalize_model_grads divides by the global token count N, so the losses enter with weight T: the
-gradient is that of mean LM loss + sum over micro-batches of (T / N) * (aux + z), i.e. mean LM loss
-plus the token-weighted mean of the per-micro-batch losses.
+them, on whatever pipeline stage the layer lives, with the weight model/loss_scaling.py gives them. By
+default the gradient is that of the mean over the global batch's micro-batches of (mean LM loss + aux + z);
+with --calculate-per-token-loss, of the LM loss's mean over all N unmasked tokens + the sum over
+micro-batches of (T / N) * (aux + z), the token-weighted mean of the per-micro-batch losses.
 
 Capacity (`--moe-expert-capacity-factor c`): each expert takes at most ceil(c * T k / E) of the T
 tokens of a micro-batch; it keeps those it gives the highest probability (ties: the earlier token), the

@@ -1,4 +1,4 @@
-"""After the last micro-batch's backward: make every rank's gradients those of the global batch mean.
+"""After the last micro-batch's backward: make every rank's gradients those of the global batch's loss.
 
 1. Data parallel: each chunk's buckets are reduced over dp x cp (expert buckets over expert dp); with a
    sharded strategy each rank holds the reduced gradients of its shard only, and steps 2-4 work on those
@@ -6,8 +6,10 @@
 2. Sequence parallel: replicated parameters that saw only a sequence slice (norms, row-parallel biases,
    learned positions) hold partial gradients; they are summed over TP.
 3. Tied embeddings split over pipeline stages: the first and last stage add their gradients.
-4. Loss normalisation: the token count of the global batch (known on the last stage) is broadcast
-   over the pipeline and summed over dp x cp, and every gradient is divided by it.
+4. Loss normalisation (model/loss_scaling.py), as Megatron's: for the per-micro-batch mean (no token count
+   given) every gradient is divided by dp x cp, its DDP average over the ranks the micro-batches came from;
+   with --calculate-per-token-loss the token count of the global batch (known on the last stage) is
+   broadcast over the pipeline and summed over dp x cp, and every gradient is divided by it (at least 1).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ def global_token_count(local_tokens: torch.Tensor, pstate: ParallelState) -> tor
 
 
 def finalize_model_grads(model_chunks: list[DistributedDataParallel], pstate: ParallelState,
-                         local_tokens: torch.Tensor) -> torch.Tensor:
-    """Reduce and normalise the gradients of all chunks; returns the global token count."""
+                         local_tokens: torch.Tensor | None) -> None:
+    """Reduce and normalise the gradients of all chunks: divided by the global token count of
+    `local_tokens` (--calculate-per-token-loss, the schedule's count), or by dp x cp when it is None."""
     for chunk in model_chunks:
         chunk.finish_grad_sync()
     sequence_parallel = [g for chunk in model_chunks for g in chunk.main_grad_shards(
@@ -48,7 +51,9 @@ def finalize_model_grads(model_chunks: list[DistributedDataParallel], pstate: Pa
     _all_reduce_grads(sequence_parallel, pstate.group("tp"))
     shared = [g for chunk in model_chunks for g in chunk.main_grad_shards(chunk.module.shared_embedding_parameters())]
     _all_reduce_grads(shared, pstate.group("embedding"))
-    tokens = global_token_count(local_tokens, pstate)
+    if local_tokens is None:
+        factor = 1.0 / (pstate.dp_size * pstate.cp_size)
+    else:
+        factor = global_token_count(local_tokens, pstate).clamp(min=1.0).reciprocal()
     for chunk in model_chunks:
-        chunk.scale_gradients(tokens.reciprocal())
-    return tokens
+        chunk.scale_gradients(factor)

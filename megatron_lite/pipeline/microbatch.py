@@ -1,7 +1,7 @@
 """One micro-batch on one model chunk, as every schedule runs it: forward (the loss on the last stage), then
 backward whole or split into B and W (split_backward.py), with the rank's timeline and live micro-batches
-kept in a ScheduleStats; and the stage's communicator and the receive-forward-send step of the
-non-interleaved schedules."""
+kept in a ScheduleStats; the losses' normalisation (MicroBatchLosses); and the stage's communicator and the
+receive-forward-send step of the non-interleaved schedules."""
 
 from __future__ import annotations
 
@@ -10,21 +10,42 @@ import time
 
 import torch
 
-from megatron_lite.model.loss_scaling import scaled_loss
+from megatron_lite.model.loss_scaling import LossScaling, scaled_loss
+from megatron_lite.parallel import mappings
 from megatron_lite.parallel.p2p import PipelineCommunicator, trace, trace_enabled
 from megatron_lite.pipeline import split_backward
 
 
-def zero_tokens(model_chunk: torch.nn.Module) -> torch.Tensor:
-    """The running token count: float64, on the model's device, where the loss masks are."""
-    return torch.zeros((), dtype=torch.float64, device=next(model_chunk.parameters()).device)
+class MicroBatchLosses:
+    """The losses of one schedule call on this rank: each micro-batch's report, the summed token count, and
+    what each micro-batch backpropagates under --calculate-per-token-loss or the per-micro-batch mean
+    (model/loss_scaling.py)."""
 
+    def __init__(self, model_chunk: torch.nn.Module, pstate, config, num_microbatches: int, *, loss_scale: float,
+                 forward_only: bool):
+        per_token = config.training.calculate_per_token_loss
+        self.scaling = LossScaling(1.0 if forward_only else loss_scale, per_token, num_microbatches, pstate.cp_size)
+        self.forward_only = forward_only
+        self.cp_group = pstate.group("cp")
+        self.reports: list[dict] = []
+        # float64, on the model's device, where the loss masks are
+        self.tokens = torch.zeros((), dtype=torch.float64, device=next(model_chunk.parameters()).device)
 
-def accumulate_loss(reports: list[dict], total_tokens: torch.Tensor, loss_func, output) -> torch.Tensor:
-    loss_sum, num_tokens, report = loss_func(output)
-    reports.append(report)
-    total_tokens += num_tokens.detach().to(total_tokens.dtype)
-    return loss_sum
+    def backward_loss(self, loss_func, output) -> torch.Tensor:
+        """The last stage's output -> the loss to backpropagate (the summed loss when forward only)."""
+        loss_sum, num_tokens, report = loss_func(output)
+        self.reports.append(report)
+        num_tokens = num_tokens.detach().to(self.tokens.dtype)
+        self.tokens += num_tokens
+        if self.forward_only:
+            return loss_sum
+        if not self.scaling.per_token:  # the micro-batch's tokens: its whole sequences, summed over cp
+            num_tokens = mappings.all_reduce(num_tokens.clone(), self.cp_group)
+        return self.scaling.language_model_loss(loss_sum, num_tokens)
+
+    def result(self):
+        """(reports, the local token count finalize_model_grads divides by: None per micro-batch)."""
+        return self.reports, self.tokens if self.scaling.per_token else None
 
 
 class ScheduleStats:
@@ -67,17 +88,16 @@ class ScheduleStats:
 class MicroBatchRunner:
     """Forward and backward of one micro-batch on one model chunk; keeps the reports, tokens and stats."""
 
-    def __init__(self, forward_step_func, model: list, pstate, *, loss_scale: float, forward_only: bool,
-                 stats: ScheduleStats):
+    def __init__(self, forward_step_func, model: list, pstate, config, num_microbatches: int, *, loss_scale: float,
+                 forward_only: bool, stats: ScheduleStats):
         self.forward_step_func = forward_step_func
         self.model = model
         self.pstate = pstate
-        self.loss_scale = loss_scale
         self.forward_only = forward_only
         self.stats = stats
         stats.start = time.perf_counter()
-        self.reports: list[dict] = []
-        self.total_tokens = zero_tokens(model[0])
+        self.losses = MicroBatchLosses(model[0], pstate, config, num_microbatches, loss_scale=loss_scale,
+                                       forward_only=forward_only)
 
     def computes_loss(self, chunk_id: int) -> bool:
         return self.pstate.is_last_stage and chunk_id == len(self.model) - 1
@@ -89,11 +109,10 @@ class MicroBatchRunner:
         if input_tensor is not None and not self.forward_only:
             input_tensor.requires_grad_()
         chunk.set_input_tensor(input_tensor)
-        with scaled_loss(1.0 if self.forward_only else self.loss_scale):  # for losses the layers attach
+        with scaled_loss(self.losses.scaling):  # for losses the layers attach
             output, loss_func = self.forward_step_func(data_iterator, chunk)
         if self.computes_loss(chunk_id):
-            loss_sum = accumulate_loss(self.reports, self.total_tokens, loss_func, output)
-            output = loss_sum if self.forward_only else loss_sum * self.loss_scale
+            output = self.losses.backward_loss(loss_func, output)
         if not self.forward_only:
             self.stats.live += 1
             self.stats.held += 1
@@ -139,11 +158,11 @@ class MicroBatchRunner:
         self.stats.events.append(("W", chunk_id, microbatch, start, time.perf_counter()))
 
     def finish(self):
-        """Close the timeline; the schedule's return value (reports, local token count)."""
+        """Close the timeline; the schedule's return value (MicroBatchLosses.result)."""
         self.stats.end = time.perf_counter()
         if trace_enabled():
             trace(f"rank {self.pstate.rank} stage {self.pstate.pp_rank} {self.stats.summary()}")
-        return self.reports, self.total_tokens
+        return self.losses.result()
 
 
 def stage_communicator(model: list, pstate, config) -> PipelineCommunicator:

@@ -2,10 +2,12 @@
 
 `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)` runs one micro-batch forward;
 `loss_func(output_tensor) -> (loss_sum, num_tokens, report)` turns the last stage's output into a
-summed loss, its token count and values to log. Schedules backpropagate the summed loss (times the
-loss scale); gradients are divided by the global token count afterwards (finalize_model_grads).
+summed loss, its token count and values to log. Schedules backpropagate, as Megatron's, the micro-batch's
+mean loss / m by default, the summed loss with --calculate-per-token-loss (times the fp16 loss scale;
+model/loss_scaling.py); finalize_model_grads then divides by dp x cp, or by the global token count.
 Every schedule returns (reports, local token count) for the micro-batches this rank computed a loss
-on: with pipelining only the last stage has any.
+on, with pipelining only the last stage's; the count, what finalize_model_grads divides by, is None for
+the per-micro-batch mean.
 
   forward_backward_no_pipelining                   one stage: forward and backward each micro-batch
   forward_backward_pipelining_without_interleaving 1F1B: warm-up forwards, one-forward-one-backward
@@ -35,30 +37,30 @@ import contextlib
 
 from megatron_lite.model.loss_scaling import scaled_loss
 from megatron_lite.pipeline.microbatch import (
+    MicroBatchLosses,
     MicroBatchRunner,
     ScheduleStats,
-    accumulate_loss,
     receive_forward_send,
     stage_communicator,
-    zero_tokens,
 )
 
 
-def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_microbatches: int, *,
-                                   loss_scale: float = 1.0, forward_only: bool = False, **_):
+def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_microbatches: int, *, pstate,
+                                   config, loss_scale: float = 1.0, forward_only: bool = False, **_):
     """All micro-batches on one stage: forward then backward each, reducing gradients only after the last."""
     chunk = model[0] if isinstance(model, list) else model
-    reports, total_tokens = [], zero_tokens(chunk)
+    losses = MicroBatchLosses(chunk, pstate, config, num_microbatches, loss_scale=loss_scale,
+                              forward_only=forward_only)
     no_sync = getattr(chunk, "no_sync", contextlib.nullcontext)
     for index in range(num_microbatches):
         last = index == num_microbatches - 1
         with contextlib.nullcontext() if (last or forward_only) else no_sync():
-            with scaled_loss(1.0 if forward_only else loss_scale):  # for losses the layers attach
+            with scaled_loss(losses.scaling):  # for losses the layers attach
                 output, loss_func = forward_step_func(data_iterator, chunk)
-            loss_sum = accumulate_loss(reports, total_tokens, loss_func, output)
+            loss = losses.backward_loss(loss_func, output)
             if not forward_only:
-                (loss_sum * loss_scale).backward()
-    return reports, total_tokens
+                loss.backward()
+    return losses.result()
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -118,8 +120,8 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
     """
     model = model if isinstance(model, list) else [model]
     stats = stats if stats is not None else ScheduleStats()
-    run = MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
-                            stats=stats)
+    run = MicroBatchRunner(forward_step_func, model, pstate, config, num_microbatches, loss_scale=loss_scale,
+                           forward_only=forward_only, stats=stats)
     comm = stage_communicator(model, pstate, config)
 
     def backward_and_send(mb: int, input_tensor, output, output_grad, next_forward_mb: int | None):
@@ -147,8 +149,8 @@ def forward_backward_pipelining_gpipe(forward_step_func, data_iterator, model, n
     """
     model = model if isinstance(model, list) else [model]
     stats = stats if stats is not None else ScheduleStats()
-    run = MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
-                            stats=stats)
+    run = MicroBatchRunner(forward_step_func, model, pstate, config, num_microbatches, loss_scale=loss_scale,
+                           forward_only=forward_only, stats=stats)
     comm = stage_communicator(model, pstate, config)
     saved: list[tuple] = []  # (input, output) of every micro-batch, oldest first
     for mb in range(num_microbatches):
@@ -184,8 +186,8 @@ def forward_backward_pipelining_zero_bubble(forward_step_func, data_iterator, mo
             forward_only=True, loss_scale=loss_scale, stats=stats)
     model = model if isinstance(model, list) else [model]
     stats = stats if stats is not None else ScheduleStats()
-    run = MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=False,
-                            stats=stats)
+    run = MicroBatchRunner(forward_step_func, model, pstate, config, num_microbatches, loss_scale=loss_scale,
+                           forward_only=False, stats=stats)
     comm = stage_communicator(model, pstate, config)
     m = num_microbatches
     # The B of micro-batches before this one leave their W waiting: the first p steady steps' (fewer when
@@ -267,8 +269,8 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
         raise ValueError(f"the interleaved schedule needs the micro-batch count ({m}) divisible by the "
                          f"pipeline size ({pp})")
     stats = stats if stats is not None else ScheduleStats()
-    run = MicroBatchRunner(forward_step_func, model, pstate, loss_scale=loss_scale, forward_only=forward_only,
-                            stats=stats)
+    run = MicroBatchRunner(forward_step_func, model, pstate, config, num_microbatches, loss_scale=loss_scale,
+                           forward_only=forward_only, stats=stats)
     comm = stage_communicator(model, pstate, config)
     feed = _MicroBatchFeed(data_iterator, v)
     total = m * v
