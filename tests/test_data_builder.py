@@ -1,5 +1,7 @@
 """--data-path / --split into train, valid and test datasets, single or blended."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -34,8 +36,10 @@ def test_split_parsing_and_megatron_rounding():
     assert parse_split("969,30,1") == pytest.approx([0.969, 0.03, 0.001])
     assert parse_split("98/2") == pytest.approx([0.98, 0.02, 0.0])
     assert split_ranges(1000, parse_split("969,30,1")) == [(0, 969), (969, 999), (999, 1000)]
-    # Megatron shifts every bound by the rounding deficit (3 + 3 + 3 = 9 of 10), so train gets the extra one.
-    assert split_ranges(10, parse_split("1,1,1")) == [(0, 4), (4, 7), (7, 10)]
+    # Megatron-Core rounds the cumulative bounds: 10 x 1/3 = 3.33 -> 3, 10 x 2/3 = 6.67 -> 7
+    assert split_ranges(10, parse_split("1,1,1")) == [(0, 3), (3, 7), (7, 10)]
+    # 294 x 0.9 = 264.6 -> 265 and 294 x 0.97 = 285.18 -> 285 (legacy Megatron-LM, rounding each share, gave 264)
+    assert split_ranges(294, parse_split("90,7,3")) == [(0, 265), (265, 285), (285, 294)]
     with pytest.raises(ValueError, match="--split"):
         parse_split("90,x")
 
@@ -57,17 +61,18 @@ def test_blend_shares_are_within_one_percent_of_the_weights(tmp_path):
     data_path = [str(x) for pair in zip(weights, prefixes) for x in pair]
     train, _, _ = build_train_valid_test_datasets(data_path, "1", SEQ, 1, (10_000, 0, 0), str(tmp_path / "c"),
                                                   vocab_size=VOCAB)
-    assert len(train) == 10_000
+    assert len(train) == sum(math.ceil(10_000 * w) for w in weights)  # Megatron's blend size: sum of ceil(n w)
     source = np.array([train[i][0] // 1000 for i in range(len(train))])  # which corpus each sample came from
     shares = np.bincount(source, minlength=3) / len(train)
     assert np.all(np.abs(shares - weights) < 0.01), shares
 
 
-def test_unweighted_prefixes_blend_by_token_count(tmp_path):
+def test_unweighted_prefixes_blend_by_samples_per_epoch(tmp_path):
     small, large = make_prefix(tmp_path, "s", 0, documents=50), make_prefix(tmp_path, "l", 1000, documents=150)
     train, _, _ = build_train_valid_test_datasets([small, large], "1", SEQ, 1, (2000, 0, 0), vocab_size=VOCAB)
-    tokens = [d.indexed_dataset.num_tokens for d in train.datasets]
-    expected = tokens[0] / sum(tokens)
+    # Megatron weighs each prefix by the length of its one-epoch GPTDataset, (tokens - 1) // seq_length
+    per_epoch = [(d.indexed_dataset.num_tokens - 1) // SEQ for d in train.datasets]
+    expected = per_epoch[0] / sum(per_epoch)
     from_small = np.mean([train[i][0] < 1000 for i in range(len(train))])
     assert abs(from_small - expected) < 0.01
 

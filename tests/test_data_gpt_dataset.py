@@ -58,12 +58,20 @@ def test_one_epoch_covers_every_token_of_the_split_but_the_remainder_once(corpus
 
 def test_more_samples_than_an_epoch_repeat_each_document_once_per_epoch(corpus):
     per_epoch = (corpus.num_tokens - 1) // SEQ
-    ds = dataset(corpus, int(2.5 * per_epoch))
-    assert len(ds) >= 2.5 * per_epoch
-    epochs = ds.document_index.reshape(3, 40)
-    for epoch in epochs:
-        assert sorted(epoch.tolist()) == list(range(40))
-    assert not np.array_equal(epochs[0], epochs[1])  # reshuffled each epoch
+    ds = dataset(corpus, int(1.9 * per_epoch))  # 0.9 of the second epoch: above 0.8, no separate final epoch
+    assert len(ds) >= 1.9 * per_epoch
+    assert np.bincount(ds.document_index, minlength=40).tolist() == [2] * 40
+    # Megatron-Core shuffles the copies of all epochs together, so an epoch's worth of positions is no permutation
+    assert sorted(ds.document_index[:40].tolist()) != list(range(40))
+
+
+def test_a_separate_final_epoch_keeps_its_document_copies_apart(corpus):
+    per_epoch = (corpus.num_tokens - 1) // SEQ
+    ds = dataset(corpus, int(2.5 * per_epoch))  # 0.5 of the third epoch: below 0.8, kept apart
+    first_two, last = ds.document_index[:80], ds.document_index[80:]
+    assert np.bincount(first_two, minlength=40).tolist() == [2] * 40
+    assert sorted(last.tolist()) == list(range(40))
+    assert sorted(first_two[:40].tolist()) != list(range(40))  # the first two epochs' copies mix
 
 
 def test_a_small_final_epoch_is_shuffled_separately_and_comes_last(corpus):
@@ -82,7 +90,7 @@ def test_the_order_is_a_function_of_the_seed(corpus, tmp_path):
 def test_the_index_is_cached_beside_the_data_and_reused(corpus, tmp_path, monkeypatch):
     first = dataset(corpus, 30)
     files = sorted(os.listdir(tmp_path / "cache"))
-    assert any(f.endswith("-GPTDataset-shuffle_index.npy") for f in files)
+    assert any(f.endswith("-GPTDataset-train-shuffle_index.npy") for f in files)  # Megatron's file names
     monkeypatch.setattr(gpt_dataset, "build_indices", lambda *a: pytest.fail("index rebuilt"))
     second = dataset(corpus, 30)
     assert np.array_equal(first.shuffle_index, second.shuffle_index)

@@ -1,13 +1,22 @@
 """Builds the train/valid/test datasets from --data-path (or --data-args-path) and --split, or from
 --train-data-path/--valid-data-path/--test-data-path, with --seq-length and --seed.
 
-With one blend, each prefix's documents are cut into three contiguous ranges by --split (Megatron's
-rounding, so the same flags pick the same documents as Megatron-LM). With a blend per split, each
-split reads all documents of its own prefixes and --split does not apply. One prefix gives a
-GPTDataset; several give a BlendedDataset over one GPTDataset per prefix, weighted by the given
-weights or, without weights, by each prefix's number of tokens in that split.
+Each step is Megatron-Core's (megatron/core/datasets/blended_megatron_dataset_builder.py), so the same
+flags give the same samples as Megatron-LM:
+
+- --split: each prefix's documents are cut into three contiguous ranges at round(c * documents) for
+  the cumulative shares c (blended_megatron_dataset_config.convert_split_vector_to_split_matrix);
+- one prefix without weights (or, with a blend per split, one prefix) gives a GPTDataset of the samples
+  asked;
+- weights (one prefix or several) give a BlendedDataset of sum_d ceil(n * w_d) samples, over one
+  GPTDataset per prefix built for ceil(ceil(n * w_d) * 1.005) samples (_get_size_per_split_per_dataset
+  with Megatron's default mid_level_dataset_surplus);
+- several prefixes without weights: each GPTDataset holds one epoch and weighs its number of samples.
+  Megatron then stops after one epoch of the whole blend (min(n, total)); here a component that the
+  blend needs beyond its epoch gets more epochs, so n samples are always there.
 """
 
+import math
 import os
 
 import numpy as np
@@ -21,6 +30,7 @@ from megatron_lite.files import read_text
 from megatron_lite.validation import ConfigError
 
 SPLIT_NAMES = ("train", "valid", "test")
+MID_LEVEL_DATASET_SURPLUS = 0.005  # Megatron's default: each component of a weighted blend is built 0.5% larger
 
 
 def parse_data_path(data_path: list[str], flag: str = "--data-path") -> tuple[list[str], list[float] | None]:
@@ -63,16 +73,16 @@ def parse_split(split: str) -> list[float]:
     if len(shares) > 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
         raise ConfigError(f"--split {split!r} must be up to three non-negative numbers with a positive sum")
     shares += [0.0] * (3 - len(shares))
-    return [s / sum(shares) for s in shares]
+    return (np.asarray(shares) / np.sum(shares)).tolist()
 
 
 def split_ranges(num_documents: int, shares: list[float]) -> list[tuple[int, int]]:
-    """Contiguous document ranges for the shares, rounded the way Megatron-LM rounds them."""
-    bounds = [0]
+    """Contiguous document ranges for the shares: split i is [round(c_i * n), round(c_(i+1) * n)) for the
+    cumulative shares c_0 = 0, c_1 = s_0, c_2 = s_0 + s_1, ... (Megatron-Core's rule; Python's round)."""
+    cumulative = [0.0]
     for share in shares:
-        bounds.append(bounds[-1] + int(round(share * float(num_documents))))
-    excess = bounds[-1] - num_documents
-    bounds = [0] + [max(0, b - excess) for b in bounds[1:]]
+        cumulative.append(cumulative[-1] + share)
+    bounds = [int(round(c * float(num_documents))) for c in cumulative]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
@@ -118,8 +128,9 @@ def build_per_split_datasets(data_paths: tuple[list[str], list[str], list[str]],
             continue
         prefixes, weights = parse_data_path(data_path, f"--{name}-data-path")
         indexed = _open_checked(prefixes, vocab_size, cache_dir, mmap_bin_files)
-        results.append(_blend(indexed, [(0, len(ds)) for ds in indexed], weights, n, name, seq_length, seed,
-                              cache_dir))
+        # Megatron reads a per-split blend of one prefix as that prefix alone, weight or not
+        results.append(_blend(indexed, [(0, len(ds)) for ds in indexed], weights if len(indexed) > 1 else None, n,
+                              name, seq_length, seed, cache_dir))
     return tuple(results)
 
 
@@ -142,18 +153,25 @@ def _open_checked(prefixes: list[str], vocab_size: int, cache_dir: str | None, m
 
 def _blend(indexed: list[IndexedDataset], document_ranges: list[tuple[int, int]], weights: list[float] | None,
            num_samples: int, split_name: str, seq_length: int, seed: int, cache_dir: str | None):
-    """One split: a GPTDataset over documents document_ranges[k] of indexed[k] for one prefix; for several,
-    a BlendedDataset by `weights`, or by the tokens each range holds when there are none."""
+    """One split over documents document_ranges[k] of indexed[k]: a GPTDataset for one prefix without
+    weights; else a BlendedDataset, by `weights` or, without them, by each prefix's samples per epoch."""
     def make(k, n):
         return GPTDataset(indexed[k], document_ranges[k], n, seq_length, seed, cache_dir, split_name=split_name)
 
-    if len(indexed) == 1:
+    cache = cache_dir or default_cache_dir(indexed[0].prefix)
+    if weights is None and len(indexed) == 1:
         return make(0, num_samples)
-    split_weights = weights or [int(ds.sequence_lengths[slice(*r)].sum(dtype=np.int64))
-                                for ds, r in zip(indexed, document_ranges)]
-    blend = _blending_indices(split_weights, num_samples, cache_dir or default_cache_dir(indexed[0].prefix))
+    if weights is not None:
+        # Megatron normalises the weights in the builder and again in BlendedDataset
+        normalized = normalize_weights(weights).tolist()
+        targets = [math.ceil(num_samples * w) for w in normalized]
+        components = [make(k, math.ceil(t * (1 + MID_LEVEL_DATASET_SURPLUS))) for k, t in enumerate(targets)]
+        blend = _blending_indices(normalized, sum(targets), split_name, cache)
+        return BlendedDataset(components, blend["dataset_index"], blend["dataset_sample_index"])
+    components = [make(k, 0) for k in range(len(indexed))]  # one epoch each: Megatron's num_samples=None
+    blend = _blending_indices([len(c) for c in components], num_samples, split_name, cache)
     counts = np.bincount(blend["dataset_index"], minlength=len(indexed))
-    components = [make(k, int(counts[k])) for k in range(len(indexed))]
+    components = [make(k, int(counts[k])) if counts[k] > len(c) else c for k, c in enumerate(components)]
     return BlendedDataset(components, blend["dataset_index"], blend["dataset_sample_index"])
 
 
@@ -181,9 +199,10 @@ def check_token_ids(dataset: IndexedDataset, vocab_size: int, cache_dir: str) ->
                         f"(--tokenizer-type/--tokenizer-model), or preprocess the data again with this one")
 
 
-def _blending_indices(weights: list[float], size: int, cache_dir: str) -> dict[str, np.ndarray]:
-    """Blending indices, cached so that one process sorts and the others map the result."""
-    description = {"class": "BlendedDataset", "weights": normalize_weights(weights).tolist(), "size": size}
+def _blending_indices(weights: list[float], size: int, split_name: str, cache_dir: str) -> dict[str, np.ndarray]:
+    """Blending indices, cached so that one process builds them and the others map the result."""
+    description = {"class": "BlendedDataset", "split": split_name, "weights": normalize_weights(weights).tolist(),
+                   "size": size}
 
     def build():
         dataset_index, dataset_sample_index = build_blending_indices(weights, size)

@@ -1,8 +1,10 @@
 """On-disk cache of dataset index arrays, built once by one process while the others wait.
 
-Arrays are stored as `HASH-CLASS-NAME.npy` beside `HASH-CLASS-description.json`, where HASH is
-the md5 of the description (everything the arrays depend on) and CLASS its "class" entry.
-Every file is written under a temporary name and renamed; the description is renamed last,
+Arrays are stored as `HASH-CLASS[-SPLIT]-NAME.npy` beside `HASH-CLASS[-SPLIT]-description.json`
+(Megatron's naming, `SPLIT` when the description has one), where HASH is the md5 of the description
+(everything the arrays depend on) together with INDEX_FORMAT, the version of the algorithms that build
+them: changing how any index is built bumps INDEX_FORMAT, so caches written by earlier code are not
+read. Every file is written under a temporary name and renamed; the description is renamed last,
 so its presence means the arrays are complete and can be read without a lock; a description or
 array that cannot be read (damaged on disk) is rebuilt, under the lock, with a warning. Building is
 guarded by a file lock rather than a torch.distributed barrier, which keeps the data code
@@ -27,8 +29,14 @@ def default_cache_dir(prefix: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
 
 
+# 2: Megatron-Core's multi-epoch document shuffle, separate-final-epoch threshold and greedy blending
+INDEX_FORMAT = 2
+
+
 def description_hash(description: dict) -> str:
-    return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+    """md5 of the description and INDEX_FORMAT."""
+    record = {"description": description, "index_format": INDEX_FORMAT}
+    return hashlib.md5(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
 def _atomic_save(path: str, write: Callable) -> None:
@@ -44,7 +52,8 @@ def load_or_build(cache_dir: str, description: dict, build: Callable[[], dict[st
 
     Loaded arrays are memory-mapped, so many data-loader workers share one copy in the page cache.
     """
-    key = f"{description_hash(description)}-{description['class']}"
+    key = "-".join([description_hash(description), description["class"]]
+                   + ([description["split"]] if "split" in description else []))
     marker = os.path.join(cache_dir, f"{key}-description.json")
     arrays = _load(cache_dir, key, marker)
     if arrays is not None:
@@ -98,5 +107,5 @@ def _load(cache_dir: str, key: str, marker: str) -> dict[str, np.ndarray] | None
 def _save(cache_dir: str, key: str, arrays: dict[str, np.ndarray], description: dict, marker: str) -> None:
     for name, array in arrays.items():
         _atomic_save(os.path.join(cache_dir, f"{key}-{name}.npy"), lambda f, a=array: np.save(f, a))
-    record = {"description": description, "arrays": list(arrays)}
+    record = {"description": description, "index_format": INDEX_FORMAT, "arrays": list(arrays)}
     _atomic_save(marker, lambda f: f.write(json.dumps(record, indent=2, sort_keys=True).encode()))
