@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_lite.checkpoint import directory  # noqa: E402
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors  # noqa: E402
+from megatron_lite.tool_args import ToolParser, non_negative_int, positive_int, seed  # noqa: E402
 
 MODEL_FLAGS = ["--model-preset", "llama-tiny", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
                "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
@@ -135,16 +136,35 @@ def sigterm_round(nproc: int, root: str, log_dir: str, rng: random.Random) -> di
     return {"exit_codes": codes, "exit_iteration": int(match.group(1)), "loadable": check_loadable(root)}
 
 
+def prepare_drill_directory(parser: ToolParser, path: str) -> tuple[str, str]:
+    """(checkpoints, logs) under `path`, emptied; `path` must be new, empty, or an earlier drill's directory
+    (holding nothing but checkpoints/ and logs/), so that a mistyped --dir never deletes anything else."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"--dir {path} is a file; give a directory for the drill")
+    others = sorted(set(os.listdir(path)) - {"checkpoints", "logs"}) if os.path.isdir(path) else []
+    if others:
+        parser.error(f"--dir {path} holds {', '.join(others[:3])}{' ...' * (len(others) > 3)}, which are not a "
+                     f"drill's; give a new or empty directory (the drill empties it)")
+    root, log_dir = os.path.join(path, "checkpoints"), os.path.join(path, "logs")
+    try:
+        for folder in (root, log_dir):
+            shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(log_dir)
+    except OSError as error:
+        parser.exit(1, f"checkpoint_kill_drill.py: error: cannot make {error.filename}: {error.strerror}\n")
+    return root, log_dir
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=10, help="kill -9 rounds (default: 10)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (default: 2)")
-    parser.add_argument("--dir", default="/tmp/checkpoint_kill_drill", help="checkpoint directory (emptied first)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = ToolParser(prog="checkpoint_kill_drill.py", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=non_negative_int, default=10, help="kill -9 rounds (default: 10)")
+    parser.add_argument("--nproc", type=positive_int, default=2, help="ranks per run (default: 2)")
+    parser.add_argument("--dir", default="/tmp/checkpoint_kill_drill",
+                        help="the drill's directory (emptied first; new, empty or an earlier drill's)")
+    parser.add_argument("--seed", type=seed, default=0, help="where the random kill moments come from")
     args = parser.parse_args(argv)
-    shutil.rmtree(args.dir, ignore_errors=True)
-    root, log_dir = os.path.join(args.dir, "checkpoints"), os.path.join(args.dir, "logs")
-    os.makedirs(log_dir)
+    root, log_dir = prepare_drill_directory(parser, args.dir)
     rng = random.Random(args.seed)
     rounds = []
     for number in range(args.rounds):

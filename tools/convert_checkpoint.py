@@ -33,7 +33,7 @@ import yaml  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from megatron_lite.arguments import ConfigError, make_config  # noqa: E402
-from megatron_lite.checkpoint.planner import CheckpointError  # noqa: E402
+from megatron_lite.errors import UserError  # noqa: E402
 from megatron_lite.hf import configs, safetensors_files, weights  # noqa: E402
 from megatron_lite.hf.checkpoint import (  # noqa: E402
     config_from_metadata,
@@ -43,6 +43,7 @@ from megatron_lite.hf.checkpoint import (  # noqa: E402
     write_model_checkpoint,
 )
 from megatron_lite.hf.configs import ConversionError  # noqa: E402
+from megatron_lite.tool_args import ToolParser, non_negative_int, positive_int  # noqa: E402
 
 
 def _layer_progress(description: str):
@@ -50,6 +51,8 @@ def _layer_progress(description: str):
 
 
 def _empty_target(path: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConversionError(f"--save-dir {path} is a file; choose a new directory")
     if os.path.isdir(path) and os.listdir(path):
         raise ConversionError(f"--save-dir {path} is not empty; choose a new directory")
     os.makedirs(path, exist_ok=True)
@@ -119,7 +122,7 @@ def mlite_to_hf(args) -> str:
     hf = weights.to_hf(family, tensors, m, _layer_progress(f"converting to {family}"))
     _empty_target(args.save_dir)
     files = safetensors_files.write_hf_weights(
-        args.save_dir, hf, safetensors_files.parse_size(args.max_shard_size),
+        args.save_dir, hf, args.max_shard_size,
         lambda files, total: tqdm(files, total=total, desc="writing safetensors", unit="file", file=sys.stderr))
     copied = []
     for folder in _tokenizer_folders(path, config):
@@ -138,20 +141,32 @@ def mlite_to_hf(args) -> str:
     return args.save_dir
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ToolParser:
+    parser = ToolParser(prog="convert_checkpoint.py", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--direction", required=True, choices=["hf-to-mlite", "mlite-to-hf"])
     parser.add_argument("--load-dir", required=True, help="HF model directory, or megatron_lite checkpoint "
                                                           "directory (a --save dir or one iter_XXXXXXX in it)")
     parser.add_argument("--save-dir", required=True, help="new (or empty) directory to write")
-    parser.add_argument("--target-tensor-parallel-size", type=int, default=1,
+    parser.add_argument("--target-tensor-parallel-size", type=positive_int, default=1,
                         help="hf-to-mlite: check the model splits over this TP size (any layout can load it)")
-    parser.add_argument("--target-pipeline-parallel-size", type=int, default=1,
+    parser.add_argument("--target-pipeline-parallel-size", type=positive_int, default=1,
                         help="hf-to-mlite: check the layers split over this many pipeline stages")
-    parser.add_argument("--iteration", type=int, help="mlite-to-hf: which iteration (default: the newest)")
-    parser.add_argument("--max-shard-size", default="5GB",
+    parser.add_argument("--iteration", type=non_negative_int, help="mlite-to-hf: which iteration (default: the newest)")
+    parser.add_argument("--max-shard-size", type=shard_size, default="5GB",
                         help="mlite-to-hf: safetensors files up to this size, e.g. 5GB, 500MB (default 5GB)")
     return parser
+
+
+def shard_size(text: str) -> int:
+    """--max-shard-size in bytes: a size such as 5GB (save_pretrained's max_shard_size), above zero."""
+    try:
+        size = safetensors_files.parse_size(text)
+    except ConversionError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 bytes, got {text}")
+    return size
 
 
 def main(argv=None) -> int:
@@ -159,8 +174,10 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     try:
         (hf_to_mlite if args.direction == "hf-to-mlite" else mlite_to_hf)(args)
-    except (ConversionError, CheckpointError) as error:
+    except UserError as error:  # ConversionError, CheckpointError, a DataError of a carried tokenizer file
         sys.exit(f"convert_checkpoint.py: error: {error}")
+    except OSError as error:  # a directory that cannot be written, a full disk
+        sys.exit(f"convert_checkpoint.py: error: {error.filename or 'a file'}: {error.strerror or error}")
     print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 

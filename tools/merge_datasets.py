@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tqdm import tqdm  # noqa: E402
 
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
+from megatron_lite.tool_args import ToolParser  # noqa: E402
 
 
 def merge_datasets(prefixes: list[str], output_prefix: str) -> IndexedDataset:
@@ -30,14 +31,17 @@ def merge_datasets(prefixes: list[str], output_prefix: str) -> IndexedDataset:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(prog="merge_datasets.py", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="dataset prefixes (without .bin/.idx)")
     parser.add_argument("--output-prefix", required=True, help="prefix of the merged dataset")
     args = parser.parse_args(argv)
     try:
         merged = merge_datasets(args.input, args.output_prefix)
-    except (ValueError, FileNotFoundError) as error:
+    except ValueError as error:  # a DataError naming the dataset, a dtype that differs
         sys.exit(f"merge_datasets.py: error: {error}")
+    except OSError as error:  # an output prefix that cannot be written
+        sys.exit(f"merge_datasets.py: error: cannot write {error.filename}: {error.strerror}")
     print(f"wrote {args.output_prefix}.bin/.idx: {len(merged.document_indices) - 1} documents, "
           f"{merged.num_tokens} tokens")
 

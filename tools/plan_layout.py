@@ -33,6 +33,7 @@ from megatron_lite.errors import UserError  # noqa: E402
 from megatron_lite.planning import report  # noqa: E402
 from megatron_lite.planning.layouts import enumerate_plans, plan_layout  # noqa: E402
 from megatron_lite.planning.step_time import Hardware  # noqa: E402
+from megatron_lite.tool_args import ToolParser, fraction, non_negative_int, positive_float, positive_int  # noqa: E402
 
 LAYOUT_FLAGS = {"tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
                 "expert_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
@@ -40,35 +41,40 @@ LAYOUT_FLAGS = {"tensor_model_parallel_size", "context_parallel_size", "pipeline
                 "recompute_granularity"}
 
 
-def planner_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
-    parser.add_argument("--world-size", type=int, required=True, help="GPUs (ranks) in the job")
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80)")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--tflops", type=float, default=400.0, help="sustained GEMM TFLOP/s per GPU (default 400)")
-    parser.add_argument("--intra-node-gbps", type=float, default=200.0, help="GB/s per GPU within a node")
-    parser.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU across nodes")
-    parser.add_argument("--host-gbps", type=float, default=25.0, help="GB/s between a GPU and host memory")
+def planner_parser() -> ToolParser:
+    parser = ToolParser(prog="plan_layout.py", description=__doc__.splitlines()[0], add_help=False)
+    parser.add_argument("--world-size", type=positive_int, help="GPUs (ranks) in the job (required)")
+    parser.add_argument("--gpu-memory-gib", type=positive_float, default=80.0, help="memory per GPU (default 80)")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8)
+    parser.add_argument("--tflops", type=positive_float, default=400.0,
+                        help="sustained GEMM TFLOP/s per GPU (default 400)")
+    parser.add_argument("--intra-node-gbps", type=positive_float, default=200.0, help="GB/s per GPU within a node")
+    parser.add_argument("--inter-node-gbps", type=positive_float, default=25.0, help="GB/s per GPU across nodes")
+    parser.add_argument("--host-gbps", type=positive_float, default=25.0, help="GB/s between a GPU and host memory")
     parser.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe", "zb-h1"],
                         help="non-interleaved pipeline schedules to consider when enumerating (virtual stages are "
                              "interleaved 1F1B); --pipeline-schedule plans that one only")
-    parser.add_argument("--offload-fractions", nargs="+", type=float, default=[0.0],
+    parser.add_argument("--offload-fractions", nargs="+", type=fraction, default=[0.0],
                         help="shares of the optimizer state held in host memory to consider when enumerating (0 to "
                              "1); --optimizer-cpu-offload with --optimizer-offload-fraction plans that one only")
-    parser.add_argument("--top", type=int, default=20, help="layouts to list (default 20; 0: all)")
+    parser.add_argument("--top", type=non_negative_int, default=20, help="layouts to list (default 20; 0: all)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, rest = planner_parser().parse_known_args(argv)
+    planner = planner_parser()
+    args, rest = planner.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
-        planner_parser().print_help()
+        planner.print_help()
         print("\nand pretrain_gpt.py's model and training flags (pretrain_gpt.py --help)")
         return 0
-    flags = vars(build_parser().parse_args(rest))
+    if args.world_size is None:
+        planner.error("the following arguments are required: --world-size")
+    flags = vars(ToolParser(prog="plan_layout.py", parents=[build_parser()], add_help=False,
+                            argument_default=argparse.SUPPRESS).parse_args(rest))
     if "config" in flags:
-        sys.exit("plan_layout.py: error: pass flags, not --config")
+        planner.error("pass flags, not --config")
     values = {"mock_data": True, **flags}
     hardware = Hardware(args.tflops, args.intra_node_gbps * 1e9, args.inter_node_gbps * 1e9, args.host_gbps * 1e9,
                         args.gpus_per_node)

@@ -14,32 +14,59 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_lite.errors import DataError  # noqa: E402
+from megatron_lite.files import is_a  # noqa: E402
+from megatron_lite.tool_args import ToolParser, positive_float, positive_int  # noqa: E402
 
 # (panel title, metrics drawn in it: the first solid, the second dashed), in reading order.
 PANELS = (("loss", ("lm_loss", "valid_lm_loss")), ("learning rate", ("lr",)), ("grad norm", ("grad_norm",)),
           ("tokens/s", ("tokens_per_sec",)), ("memory (GiB)", ("memory_gib",)))
 
 Series = dict[str, dict[int, float]]  # metric -> iteration -> value
+_MAX_PIXELS = 2**16  # matplotlib's Agg renderer refuses pictures this wide or high
 
 
 def read_metrics(path: str) -> Series:
-    """Every numeric metric of a JSONL file by iteration. A line that is not JSON (a run killed mid-write
-    leaves one) is skipped with a warning."""
+    """Every numeric metric of a JSONL file by iteration. Lines that are not metrics records (a JSON object with
+    an integer "iteration"; a run killed mid-write leaves a cut line) are skipped, with one warning per file. A
+    file that is not UTF-8 text, or holds no record at all, is a DataError naming it."""
     series: Series = {}
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
+    records, skipped = 0, []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+                if "\x00" in line:
+                    raise UnicodeDecodeError("utf-8", raw, raw.index(0), raw.index(0) + 1, "a NUL byte")
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{number} is not UTF-8 text: not a metrics JSONL file (a binary "
+                                f"file?)") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                print(f"plot_metrics.py: warning: {path}:{number} is not JSON; skipped", file=sys.stderr)
+                skipped.append(f"line {number} is not JSON")
                 continue
-            iteration = record.get("iteration")
+            if not isinstance(record, dict) or not is_a(record.get("iteration"), int):
+                skipped.append(f"line {number} is not an object with an integer \"iteration\"")
+                continue
+            records += 1
             for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    series.setdefault(key, {})[iteration] = value
+                if key != "iteration" and is_a(value, float):
+                    series.setdefault(key, {})[record["iteration"]] = value
+    if not records:
+        raise DataError(f"{path} holds no metrics records (JSON objects with an integer \"iteration\", one a line, "
+                        f"as --metrics-jsonl writes them)" + (f"; {skipped[0]}" if skipped else ""))
+    if skipped:
+        print(f"plot_metrics.py: warning: {path}: skipped {len(skipped)} line(s) that are not metrics records "
+              f"(first: {skipped[0]})", file=sys.stderr)
     return series
 
 
@@ -74,15 +101,28 @@ def _draw(ax, series: Series, metrics: tuple[str, ...], label: str, colour: str)
             ax.plot(*zip(*points), color=colour, label=label + suffix, **style)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ToolParser:
+    parser = ToolParser(prog="plot_metrics.py", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("metrics", nargs="+", metavar="RUN.jsonl", help="metrics files written by --metrics-jsonl")
     parser.add_argument("--output", required=True, help="the picture to write: .png, .svg or .pdf")
     parser.add_argument("--labels", nargs="+", help="one legend label per file (default: the file name)")
-    parser.add_argument("--width", type=float, default=12.0, help="inches (default: 12)")
-    parser.add_argument("--height", type=float, default=7.0, help="inches (default: 7)")
-    parser.add_argument("--dpi", type=int, default=100, help="pixels per inch (default: 100)")
+    parser.add_argument("--width", type=positive_float, default=12.0, help="inches (default: 12)")
+    parser.add_argument("--height", type=positive_float, default=7.0, help="inches (default: 7)")
+    parser.add_argument("--dpi", type=positive_int, default=100, help="pixels per inch (default: 100)")
     return parser
+
+
+def _check_format(parser: ToolParser, output: str) -> None:
+    """Refuse an --output whose extension matplotlib cannot write (before any file is read)."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    extension = os.path.splitext(output)[1].lower().lstrip(".")
+    if extension not in formats:
+        found = f"ends in '.{extension}', not an image format matplotlib writes" if extension else "has no extension"
+        others = ", .".join(sorted(set(formats) - {"png", "svg", "pdf"}))
+        parser.error(f"--output {output} {found}; end it with .png, .svg or .pdf (matplotlib also writes .{others})")
 
 
 def main(argv=None) -> int:
@@ -93,13 +133,23 @@ def main(argv=None) -> int:
         parser.error(f"--labels names {len(labels)} runs but {len(args.metrics)} files were given")
     if len(set(labels)) != len(labels):
         parser.error("two runs have the same label; name them with --labels")
+    for side, inches in (("width", args.width), ("height", args.height)):
+        if inches * args.dpi >= _MAX_PIXELS:
+            parser.error(f"--{side} {inches:g} at --dpi {args.dpi} is {inches * args.dpi:.0f} pixels; matplotlib "
+                         f"draws fewer than {_MAX_PIXELS} a side")
     if importlib.util.find_spec("matplotlib") is None:
         parser.exit(1, "plot_metrics.py: error: needs matplotlib: pip install 'megatron-lite[plot]'\n")
+    _check_format(parser, args.output)
     try:
         runs = {label: read_metrics(path) for label, path in zip(labels, args.metrics)}
     except OSError as error:
         parser.exit(1, f"plot_metrics.py: error: cannot read {error.filename}: {error.strerror}\n")
-    plot_runs(runs, args.output, args.width, args.height, args.dpi)
+    except DataError as error:
+        parser.exit(1, f"plot_metrics.py: error: {error}\n")
+    try:
+        plot_runs(runs, args.output, args.width, args.height, args.dpi)
+    except OSError as error:
+        parser.exit(1, f"plot_metrics.py: error: cannot write {args.output}: {error.strerror}\n")
     print(f"wrote {args.output}")
     return 0
 

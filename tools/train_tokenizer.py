@@ -12,19 +12,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.data.tokenizer_training import train_sentencepiece  # noqa: E402
+from megatron_lite.errors import UserError  # noqa: E402
+from megatron_lite.tool_args import ToolParser, non_negative_int, positive_int  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(prog="train_tokenizer.py", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True,
                         help="jsonl, json, parquet, arrow or txt files, folders of them, or a "
                              "datasets.save_to_disk folder")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="text columns (default: text)")
-    parser.add_argument("--vocab-size", type=int, required=True, help="size of the trained vocabulary")
+    parser.add_argument("--vocab-size", type=positive_int, required=True, help="size of the trained vocabulary")
     parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     parser.add_argument("--special-tokens", nargs="*", default=[],
                         help="extra tokens kept whole, e.g. '<|im_start|>' (ids 4, 5, ...)")
-    parser.add_argument("--input-sentence-size", type=int, default=10_000_000,
+    parser.add_argument("--input-sentence-size", type=non_negative_int, default=10_000_000,
                         help="lines sampled for training; 0 uses all (default: 10M)")
     parser.add_argument("--cache-dir", help="datasets cache for the parsed input (default: HF's)")
     return parser.parse_args(argv)
@@ -35,8 +38,10 @@ def main(argv=None) -> None:
     try:
         path = train_sentencepiece(args.input, args.model_prefix, args.vocab_size, args.json_keys,
                                    args.special_tokens, args.input_sentence_size, cache_dir=args.cache_dir)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, UserError) as error:  # the library's one-line messages
         sys.exit(f"train_tokenizer.py: error: {error}")
+    except OSError as error:  # an input that cannot be read, a model prefix that cannot be written
+        sys.exit(f"train_tokenizer.py: error: {error.filename or 'a file'}: {error.strerror or error}")
     print(f"wrote {path}")
 
 
