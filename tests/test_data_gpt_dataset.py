@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from megatron_lite.data import gpt_dataset
+from megatron_lite.data import gpt_dataset, index_cache
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
@@ -95,6 +95,22 @@ def test_the_index_is_cached_beside_the_data_and_reused(corpus, tmp_path, monkey
     second = dataset(corpus, 30)
     assert np.array_equal(first.shuffle_index, second.shuffle_index)
     assert sorted(os.listdir(tmp_path / "cache")) == files
+
+
+def test_a_cache_from_another_index_format_is_not_read(corpus, tmp_path, monkeypatch):
+    real = gpt_dataset.build_indices
+
+    def earlier_algorithm(*args):  # what older code built for the same description
+        indices = real(*args)
+        return {**indices, "shuffle_index": indices["shuffle_index"][::-1].copy()}
+
+    monkeypatch.setattr(index_cache, "INDEX_FORMAT", index_cache.INDEX_FORMAT - 1)
+    monkeypatch.setattr(gpt_dataset, "build_indices", earlier_algorithm)
+    earlier = dataset(corpus, 30).shuffle_index
+    monkeypatch.undo()
+    current = dataset(corpus, 30).shuffle_index  # the same cache folder and description
+    assert not np.array_equal(current, earlier)
+    np.testing.assert_array_equal(current, dataset(corpus, 30, cache_dir=str(tmp_path / "fresh")).shuffle_index)
 
 
 def test_pickling_sends_file_names_not_tokens(corpus):

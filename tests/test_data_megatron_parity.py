@@ -21,7 +21,7 @@ import re
 import numpy as np
 import pytest
 
-from megatron_lite.data.blended_dataset import BlendedDataset
+from megatron_lite.data.blended_dataset import BlendedDataset, build_blending_indices
 from megatron_lite.data.builder import build_per_split_datasets, build_train_valid_test_datasets
 from megatron_lite.data.gpt_dataset import build_sample_index
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder
@@ -249,6 +249,16 @@ def test_sample_index_equals_megatrons_with_empty_documents():
         document_idx = np.arange(len(lengths), dtype=np.int32)
         reference = megatron_sample_idx(lengths, document_idx, seq_length, 1, int(lengths.sum()))
         np.testing.assert_array_equal(build_sample_index(lengths, seq_length), reference)
+
+
+@pytest.mark.parametrize("weights", [[1.0, 1.0, 1.0], [3, 1, 2, 2], np.random.default_rng(0).random(40).tolist(),
+                                     [1.0] * 20 + [2.0] * 20])
+def test_blending_indices_are_megatrons_greedy_choice_ties_included(weights):
+    """Few datasets and many (a per-sample numpy argmax), equal weights giving exact ties."""
+    ours = build_blending_indices(weights, 2000)
+    reference = megatron_blending_indices(megatron_normalize(weights), 2000)
+    for got, want in zip(ours, reference):
+        np.testing.assert_array_equal(got, want)
 
 
 def blend_corpora(tmp_path, counts=(180, 240, 300)):
