@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from megatron_lite.arguments import ConfigError, parse_config
-from megatron_lite.checkpoint import directory
+from megatron_lite.checkpoint import checksums, directory
 from megatron_lite.checkpoint.planner import CheckpointError, SafeFileSystemReader
 from megatron_lite.config import Config
 from megatron_lite.data.builder import read_data_args
 from megatron_lite.data.index_cache import load_or_build
+from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.errors import DataError, UserError
 from megatron_lite.files import read_json_object
@@ -204,10 +205,26 @@ def test_a_garbled_tokenizer_json_is_named(tmp_path, content, expected):
     one_line(error, tmp_path / "tokenizer.json")
 
 
-def test_a_directory_given_as_a_sentencepiece_model_is_named(tmp_path):
+def test_a_directory_where_a_tokenizer_or_dataset_file_belongs_is_named(tmp_path):
     (tmp_path / "tokenizer.model").mkdir()
     with pytest.raises(DataError, match=r"tokenizer model .*tokenizer.model: cannot read it \(Is a directory\)"):
         build_tokenizer("SentencePieceTokenizer", str(tmp_path / "tokenizer.model"))
+    (tmp_path / "tokenizer.json").mkdir()
+    with pytest.raises(DataError, match=r"tokenizer .*tokenizer.json: cannot read it \(Is a directory\)"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    (tmp_path / "corpus.idx").mkdir()
+    (tmp_path / "corpus.bin").write_bytes(b"")
+    with pytest.raises(DataError, match=r"corpus.idx is a directory, not a file"):
+        IndexedDataset(str(tmp_path / "corpus"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its permissions")
+def test_an_unreadable_checkpoint_file_is_named_as_damage(tmp_path):
+    (tmp_path / "__0_0.distcp").write_bytes(b"weights")
+    (tmp_path / "__0_0.distcp").chmod(0)
+    records = {"__0_0.distcp": {"bytes": 7, "crc32": "00000000"}}
+    assert checksums.damaged_file(str(tmp_path), records, ["__0_0.distcp"]) == \
+        "__0_0.distcp cannot be read (Permission denied)"
 
 
 # ---------------------------------------------------------------------------------------------------------

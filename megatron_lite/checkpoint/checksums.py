@@ -67,7 +67,10 @@ def damaged_file(directory: str, records: dict[str, dict], names: list[str]) -> 
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             return f"{name} is missing"
-        found, expected = file_record(path), records[name]
+        try:
+            found, expected = file_record(path), records[name]
+        except OSError as error:  # no permission, an I/O error of a failing disk
+            return f"{name} cannot be read ({error.strerror})"
         if found["bytes"] != expected["bytes"]:
             return f"{name} holds {found['bytes']} bytes, {expected['bytes']} were written (truncated or overwritten)"
         if found["crc32"] != expected["crc32"]:

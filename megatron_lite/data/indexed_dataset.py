@@ -188,6 +188,8 @@ class IndexedDataset:
 
     def __init__(self, prefix: str, mmap_bin: bool = True):
         for path in (idx_path(prefix), bin_path(prefix)):
+            if os.path.isdir(path):
+                raise DataError(f"data prefix {prefix!r}: {path} is a directory, not a file")
             if not os.path.isfile(path):
                 raise DataError(f"data prefix {prefix!r}: {path} not found; {missing_prefix_hint(prefix)}")
         self.prefix = prefix

@@ -84,7 +84,7 @@ class HuggingFaceTokenizer:
         path = _require_file(path, "HuggingFaceTokenizer")
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
+        if not os.path.lexists(file):
             raise DataError(f"{file} not found; --tokenizer-model takes a tokenizer.json "
                             f"or a folder holding one")
         raw = read_bytes(file, DataError, "tokenizer")
