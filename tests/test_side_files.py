@@ -147,6 +147,10 @@ def test_a_garbled_tracker_names_itself_and_the_newest_complete_iteration(tmp_pa
     ({**METADATA, "files": {".metadata": 3}}, r"the record of .metadata under 'files' is not an object"),
     ({**METADATA, "files": {".metadata": {"bytes": 3}}}, r"the record of .metadata under 'files' has no 'crc32'"),
     ({**METADATA, "config": {"model": [1]}}, r"config section 'model' is not an object"),
+    ({**METADATA, "config": {"model": {"num_layers": "2"}}}, r"config.model.num_layers is \"2\", expected int"),
+    ({**METADATA, "config": {"data": {"data_path": "a"}}}, r"config.data.data_path is \"a\", expected list\[str\]"),
+    ({**METADATA, "config": {"model": {"ffn_hidden_size": 1.5}}},
+     r"config.model.ffn_hidden_size is 1.5, expected int \| None"),
 ])
 def test_metadata_json_of_the_wrong_shape_names_the_file_and_the_previous_checkpoint(tmp_path, saved, expected):
     fake_checkpoints(tmp_path)

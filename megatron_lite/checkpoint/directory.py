@@ -19,6 +19,7 @@ Only the coordinator (rank 0) writes here; `DIR/run.lock` keeps other runs out (
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,7 +27,8 @@ import shutil
 
 from megatron_lite.checkpoint.checksums import missing_or_resized
 from megatron_lite.checkpoint.planner import CheckpointError
-from megatron_lite.files import check_fields, read_json_object, read_text
+from megatron_lite.config import Config
+from megatron_lite.files import check_fields, is_a, read_json_object, read_text
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
@@ -132,6 +134,9 @@ def read_metadata(path: str) -> dict:
         for section, values in saved.get("config", {}).items():
             if not isinstance(values, dict):
                 raise CheckpointError(f"{file}: config section '{section}' is not an object")
+        problem = _config_problem(saved.get("config", {}))
+        if problem is not None:
+            raise CheckpointError(f"{file}: {problem}")
     except CheckpointError as error:
         match = _ITERATION_DIR.match(os.path.basename(os.path.normpath(path)))
         if match is None:
@@ -139,6 +144,28 @@ def read_metadata(path: str) -> dict:
         fallback = previous_complete(os.path.dirname(os.path.normpath(path)), int(match.group(1)))
         raise CheckpointError(f"{error}; {fallback}") from None
     return saved
+
+
+def _config_problem(saved: dict) -> str | None:
+    """The first value of a saved run configuration of a type its field does not take (tools rebuild the model
+    from it), or None; fields this version does not have are skipped, as config_from_metadata skips them."""
+    for section in dataclasses.fields(Config):
+        values = saved.get(section.name, {})
+        for f in dataclasses.fields(section.default_factory()):
+            if f.name in values and not _of_type(values[f.name], str(f.type)):
+                return f"config.{section.name}.{f.name} is {json.dumps(values[f.name])[:40]}, expected {f.type}"
+    return None
+
+
+def _of_type(value, annotation: str) -> bool:
+    """Whether a JSON value fits a Config field annotated `annotation` ('int | None', 'list[str]', ...)."""
+    if value is None:
+        return "None" in annotation
+    kind = annotation.split(" | ")[0]
+    if kind.startswith("list["):
+        item = kind.removeprefix("list[").removesuffix("]")
+        return isinstance(value, list) and all(_of_type(v, item) for v in value)
+    return is_a(value, {"int": int, "float": float, "bool": bool, "str": str}[kind])
 
 
 def prepare(root: str, iteration: int) -> str:
