@@ -14,6 +14,9 @@ removed is never committed.
 Loading takes the newest complete iteration, so a crash between the rename and the tracker update loses
 nothing; `--ckpt-step N` takes iteration N instead. A tracker naming an iteration with no complete
 directory is an error, not a silent start from scratch: the checkpoint it promises was deleted or lost.
+A tracker or metadata.json that cannot be read as what it should hold (binary, cut short, a list where an
+object belongs, a value of the wrong type) is a CheckpointError naming the file and the checkpoint to load
+instead.
 Only the coordinator (rank 0) writes here; `DIR/run.lock` keeps other runs out (checkpoint/save_lock.py).
 """
 
