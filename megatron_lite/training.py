@@ -22,6 +22,7 @@ from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.logging import TrainingLogger
 from megatron_lite.model.moe import moe_metrics, update_expert_biases
+from megatron_lite.model.sharding import initialization_skipped
 from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
@@ -350,7 +351,9 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
     if pstate.rank == 0:
         print(theoretical_memory_report(config), flush=True)
     memory_history = memory_snapshots.MemoryHistory(config, pstate.rank, pstate.pp_rank, device)
-    model, optimizer = setup_model_and_optimizer(config, pstate, model_provider, device)
+    loads_weights = bool(c.load) and checkpointer.iteration_to_load() is not None
+    with initialization_skipped(loads_weights):  # a checkpoint overwrites every parameter: draw none
+        model, optimizer = setup_model_and_optimizer(config, pstate, model_provider, device)
     resume = checkpointer.load_checkpoint(model, optimizer) if c.load else ResumeState()
     consumed_samples = resume.consumed_samples
     timers = PhaseTimers(device)

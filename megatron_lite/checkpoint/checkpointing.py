@@ -65,6 +65,7 @@ from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 
 FORMAT = "megatron_lite/dcp/1"
+_UNDECIDED = object()
 
 
 def to_boxes(state: dict, pstate: ParallelState) -> tuple[list[ShardedTensor], dict]:
@@ -140,6 +141,7 @@ class Checkpointer:
         self.pending: Future | None = None
         self.last_saved_iteration: int | None = None
         self.staging: dict[tuple, torch.Tensor] = {}  # CPU copies of the last async save, reused
+        self._iteration_to_load = _UNDECIDED
         if config.checkpoint.load:
             agree(load_problem(config.checkpoint.load), self.group)
         self.save_lock = self._claim_save_directory() if config.checkpoint.save else None
@@ -281,12 +283,20 @@ class Checkpointer:
     # -----------------------------------------------------------------------------------------------------
     # Load
 
+    def iteration_to_load(self) -> int | None:
+        """The iteration --load (and --ckpt-step) will load, the same on every rank; None: none, train from
+        scratch. Decided once, so that the model can be built knowing whether its weights will be loaded."""
+        if self._iteration_to_load is _UNDECIDED:
+            c = self.config.checkpoint
+            self._iteration_to_load = decided_by_coordinator(
+                lambda: directory.iteration_to_load(c.load, c.ckpt_step), self.group, self.is_coordinator)
+        return self._iteration_to_load
+
     def load_checkpoint(self, model: list, optimizer) -> ResumeState:
         """Load the newest complete checkpoint of --load (or --ckpt-step's) into the model (and optimizer, RNG,
         position), after verifying its files."""
         c = self.config.checkpoint
-        iteration = decided_by_coordinator(lambda: directory.iteration_to_load(c.load, c.ckpt_step), self.group,
-                                           self.is_coordinator)
+        iteration = self.iteration_to_load()
         if iteration is None:
             if c.finetune:
                 raise CheckpointError(f"--finetune needs a checkpoint, but --load {c.load} holds none")

@@ -1,13 +1,16 @@
 """How each parameter relates to its global tensor, and layout-independent initialization.
 
 Every parameter carries a `ShardSpec`: the global shape, which dimension (if any) is split across the
-tensor-parallel ranks, and how it is initialized. A parameter's initial value is cut from a global
-tensor drawn from a generator seeded by (seed, global name), so every parallel layout starts from the
-weights a single device would create. Checkpoints use the same spec to map shards to global tensors.
+tensor-parallel ranks, and how it is initialized. A parameter's initial value is element by element a
+pure function of (seed, global name, global index): a counter-based generator evaluated on the rank's
+own indices, so every parallel layout starts from the weights a single device would create while a rank
+computes only the elements it holds. Checkpoints use the same spec to map shards to global tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import math
 from dataclasses import dataclass
@@ -84,34 +87,122 @@ def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     return torch.cat(parts, dim=spec.tp_dim)
 
 
-def name_seed(seed: int, global_name: str) -> int:
-    """A stable 63-bit seed from the run seed and a parameter's global name (independent of layout)."""
+def _name_key(seed: int, global_name: str) -> tuple[int, int, int, int]:
+    """Four 32-bit words from the run seed and a parameter's global name (independent of layout)."""
     digest = hashlib.sha256(f"{seed}:{global_name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    return tuple(int.from_bytes(digest[4 * i:4 * i + 4], "little") for i in range(4))
+
+
+_MASK32 = 0xFFFFFFFF
+_BLOCK_ELEMENTS = 1 << 17  # elements drawn at once: their int64 and float64 temporaries stay in cache
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """In place, a 32-bit integer hash (Wellons' lowbias32) of an int64 tensor holding values below 2**32.
+    Products may wrap past 2**63; their low 32 bits, all that is kept, are exact."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x &= _MASK32
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x &= _MASK32
+    x ^= x >> 16
+    return x
+
+
+def _mix32_int(x: int) -> int:
+    return int(_mix32_(torch.tensor([x], dtype=torch.int64))[0])
+
+
+def _standard_normal_at(index: torch.Tensor, key: tuple[int, int, int, int]) -> torch.Tensor:
+    """N(0, 1) values, each a pure function of (key, its global flat index): the counter's high word is hashed
+    into its low one, two 32-bit uniforms are hashed from that, and Box-Muller runs in float64 (rounded to
+    float32 once, so that the vectorized and scalar paths of the transcendental functions agree to the
+    float32 value)."""
+    high = index >> 32
+    if bool((high == high.flatten()[0]).all()):  # one high word in the block (any tensor under 2**32 elements)
+        mixed = (index & _MASK32) ^ (_mix32_int(int(high.flatten()[0]) ^ key[1]) ^ key[0])
+    else:
+        mixed = (index & _MASK32) ^ _mix32_(high ^ key[1]) ^ key[0]
+    _mix32_(mixed)
+    u1 = _mix32_(mixed ^ key[2]).double().add_(0.5).mul_(2.0**-32)  # in (0, 1): the logarithm is finite
+    u2 = _mix32_(mixed ^ key[3]).double().add_(0.5).mul_(2.0 * math.pi * 2.0**-32)
+    return u1.log_().mul_(-2.0).sqrt_().mul_(u2.cos_()).float()
+
+
+def shard_indices(spec: ShardSpec, tp_rank: int, tp_size: int, device=None) -> list[torch.Tensor]:
+    """Per dimension, the global indices this TP rank's shard covers (the split one part by part, as `shard`)."""
+    indices = [torch.arange(n, device=device) for n in spec.global_shape]
+    if spec.tp_dim is not None and tp_size > 1:
+        part = spec.global_shape[spec.tp_dim] // spec.tp_chunks
+        width = part // tp_size
+        indices[spec.tp_dim] = torch.cat([torch.arange(j * part + tp_rank * width, j * part + (tp_rank + 1) * width,
+                                                       device=device) for j in range(spec.tp_chunks)])
+    return indices
+
+
+def draw_normal_shard(out: torch.Tensor, spec: ShardSpec, global_name: str, seed: int, scale: float,
+                      tp_rank: int, tp_size: int) -> None:
+    """Fill `out`, this TP rank's shard, with N(0, scale^2) values that depend only on (seed, global name,
+    global index): every layout computes the same value for the same element and no rank computes another
+    rank's elements. Rows from `spec.valid_rows` on (vocabulary padding) are zero."""
+    key = _name_key(seed, global_name)
+    indices = shard_indices(spec, tp_rank, tp_size, out.device)
+    strides = [math.prod(spec.global_shape[d + 1:]) for d in range(len(spec.global_shape))]
+    trailing = torch.zeros((), dtype=torch.int64, device=out.device)
+    for d in range(len(indices) - 1, 0, -1):  # [local row elements]: flat offsets of a row's elements
+        trailing = (indices[d] * strides[d]).view(-1, *([1] * trailing.dim())) + trailing
+    trailing = trailing.reshape(-1)
+    rows = indices[0]
+    rows_per_block = max(1, _BLOCK_ELEMENTS // trailing.numel())
+    for start in range(0, rows.numel(), rows_per_block):
+        block_rows = rows[start:start + rows_per_block]
+        values = _standard_normal_at(block_rows[:, None] * strides[0] + trailing[None, :], key) * scale
+        if spec.valid_rows is not None:
+            values[block_rows >= spec.valid_rows] = 0.0
+        target = out[start:start + rows_per_block]
+        target.copy_(values.reshape(target.shape))
 
 
 def global_initial_value(spec: ShardSpec, global_name: str, seed: int, std: float, num_layers: int):
-    """The global tensor a single device would start from, drawn on the CPU for reproducibility."""
-    if spec.init == "ones":
-        return torch.ones(spec.global_shape)
-    if spec.init == "zeros":
-        return torch.zeros(spec.global_shape)
-    scale = std if spec.init == "normal" else std / math.sqrt(2.0 * num_layers)
-    generator = torch.Generator().manual_seed(name_seed(seed, global_name))
-    full = torch.zeros(spec.global_shape)
-    # Only the real vocabulary rows are drawn, so their values do not depend on the padding (which grows
-    # with the TP size): torch's normal_ fills a tensor in blocks, and a longer tensor may change its tail.
-    full[:spec.valid_rows].normal_(0.0, scale, generator=generator)
+    """The global tensor a single device would start from (every layout's shards are cut from it)."""
+    full = torch.empty(spec.global_shape)
+    _initialize(full, spec, global_name, seed, std, num_layers, 0, 1)
     return full
+
+
+def _initialize(out: torch.Tensor, spec: ShardSpec, global_name: str, seed: int, std: float, num_layers: int,
+                tp_rank: int, tp_size: int) -> None:
+    if spec.init in ("ones", "zeros"):
+        out.fill_(1.0 if spec.init == "ones" else 0.0)
+        return
+    scale = std if spec.init == "normal" else std / math.sqrt(2.0 * num_layers)
+    draw_normal_shard(out, spec, global_name, seed, scale, tp_rank, tp_size)
+
+
+_SKIP_INITIALIZATION = contextvars.ContextVar("skip_initialization", default=False)
+
+
+@contextlib.contextmanager
+def initialization_skipped(skip: bool = True):
+    """Within this scope, `initialize_parameters` leaves parameters as allocated: for a model whose every
+    parameter a checkpoint is about to overwrite (a resume), the draw would be work thrown away."""
+    token = _SKIP_INITIALIZATION.set(skip)
+    try:
+        yield
+    finally:
+        _SKIP_INITIALIZATION.reset(token)
 
 
 @torch.no_grad()
 def initialize_parameters(named_parameters, seed: int, std: float, num_layers: int, tp_rank: int,
                           tp_size: int) -> None:
-    """Set each (global_name, param) to its shard of the layout-independent initial value."""
+    """Set each (global_name, param) to its shard of the layout-independent initial value, computing only
+    the shard's own elements (skipped inside `initialization_skipped`)."""
+    if _SKIP_INITIALIZATION.get():
+        return
     for global_name, param in named_parameters:
-        full = global_initial_value(param.spec, global_name, seed, std, num_layers)
-        param.copy_(shard(full, param.spec, tp_rank, tp_size))
+        _initialize(param, param.spec, global_name, seed, std, num_layers, tp_rank, tp_size)
 
 
 @torch.no_grad()
