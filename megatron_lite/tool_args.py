@@ -52,3 +52,25 @@ fraction = _bounded(float, 0.0, 1.0)
 """A share from 0 to 1."""
 seed = _bounded(int, 0, 2**64 - 1)
 """A random seed: what torch.Generator.manual_seed takes, without its negative aliases."""
+
+
+def _output(is_file: bool, suffix: str = "") -> Callable[[str], str]:
+    """An argparse type for a place the tool will write (`text + suffix`): refused at once, before any work,
+    when it cannot be (under a regular file, a directory where a file is meant or the reverse, read-only)."""
+    def parse(text: str) -> str:
+        from megatron_lite.output_paths import why_unwritable
+
+        why = why_unwritable(text + suffix, is_file)
+        if why is not None:
+            raise argparse.ArgumentTypeError(f"{text} cannot be written: {why}")
+        return text
+
+    return parse
+
+
+output_file = _output(is_file=True)
+"""A file to write."""
+output_prefix = _output(is_file=True, suffix=".x")
+"""The PREFIX of files to write (PREFIX.bin, PREFIX_text_document.idx, PREFIX.model, ...)."""
+output_directory = _output(is_file=False)
+"""A directory to write into."""

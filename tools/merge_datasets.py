@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tqdm import tqdm  # noqa: E402
 
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
-from megatron_lite.tool_args import ToolParser  # noqa: E402
+from megatron_lite.tool_args import ToolParser, output_prefix  # noqa: E402
 
 
 def merge_datasets(prefixes: list[str], output_prefix: str) -> IndexedDataset:
@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     parser = ToolParser(prog="merge_datasets.py", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="dataset prefixes (without .bin/.idx)")
-    parser.add_argument("--output-prefix", required=True, help="prefix of the merged dataset")
+    parser.add_argument("--output-prefix", required=True, type=output_prefix, help="prefix of the merged dataset")
     args = parser.parse_args(argv)
     try:
         merged = merge_datasets(args.input, args.output_prefix)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.errors import DataError  # noqa: E402
 from megatron_lite.files import is_a  # noqa: E402
-from megatron_lite.tool_args import ToolParser, positive_float, positive_int  # noqa: E402
+from megatron_lite.tool_args import ToolParser, output_file, positive_float, positive_int  # noqa: E402
 
 # (panel title, metrics drawn in it: the first solid, the second dashed), in reading order.
 PANELS = (("loss", ("lm_loss", "valid_lm_loss")), ("learning rate", ("lr",)), ("grad norm", ("grad_norm",)),
@@ -105,7 +105,7 @@ def build_parser() -> ToolParser:
     parser = ToolParser(prog="plot_metrics.py", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("metrics", nargs="+", metavar="RUN.jsonl", help="metrics files written by --metrics-jsonl")
-    parser.add_argument("--output", required=True, help="the picture to write: .png, .svg or .pdf")
+    parser.add_argument("--output", required=True, type=output_file, help="the picture to write: .png, .svg or .pdf")
     parser.add_argument("--labels", nargs="+", help="one legend label per file (default: the file name)")
     parser.add_argument("--width", type=positive_float, default=12.0, help="inches (default: 12)")
     parser.add_argument("--height", type=positive_float, default=7.0, help="inches (default: 7)")

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_lite.data.preprocess import preprocess  # noqa: E402
 from megatron_lite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
-from megatron_lite.tool_args import ToolParser, positive_int  # noqa: E402
+from megatron_lite.tool_args import ToolParser, output_prefix, positive_int  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -25,7 +25,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "datasets.save_to_disk folder (a .txt file is one document)")
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="columns to tokenize; each becomes OUT_KEY_document (default: text)")
-    parser.add_argument("--output-prefix", required=True, help="where to write OUT_KEY_document.bin/.idx")
+    parser.add_argument("--output-prefix", required=True, type=output_prefix,
+                        help="where to write OUT_KEY_document.bin/.idx")
     parser.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZER_TYPES))
     parser.add_argument("--tokenizer-model", help="sentencepiece .model, or tokenizer.json (or its folder)")
     parser.add_argument("--vocab-size", type=positive_int, help="vocab size for NullTokenizer")

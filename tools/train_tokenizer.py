@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.data.tokenizer_training import train_sentencepiece  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
-from megatron_lite.tool_args import ToolParser, non_negative_int, positive_int  # noqa: E402
+from megatron_lite.tool_args import ToolParser, non_negative_int, output_prefix, positive_int  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -24,7 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "datasets.save_to_disk folder")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="text columns (default: text)")
     parser.add_argument("--vocab-size", type=positive_int, required=True, help="size of the trained vocabulary")
-    parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument("--model-prefix", required=True, type=output_prefix,
+                        help="writes PREFIX.model and PREFIX.vocab")
     parser.add_argument("--special-tokens", nargs="*", default=[],
                         help="extra tokens kept whole, e.g. '<|im_start|>' (ids 4, 5, ...)")
     parser.add_argument("--input-sentence-size", type=non_negative_int, default=10_000_000,
