@@ -28,6 +28,18 @@ MODEL_PRESETS: dict[str, dict] = {
         "num_query_groups": 8, "seq_length": 8192, "max_position_embeddings": 8192, "vocab_size": 128256,
         "norm_epsilon": 1e-5, "rotary_base": 500000.0, "init_method_std": 0.02,
     },
+    "llama3-70b": {
+        **_LLAMA, "num_layers": 80, "hidden_size": 8192, "ffn_hidden_size": 28672, "num_attention_heads": 64,
+        "num_query_groups": 8, "seq_length": 8192, "max_position_embeddings": 8192, "vocab_size": 128256,
+        "norm_epsilon": 1e-5, "rotary_base": 500000.0, "init_method_std": 0.02,
+    },
+    "llama3.1-405b": {  # Llama 3.1's RoPE scaling (factor 8) for its 128K context
+        **_LLAMA, "num_layers": 126, "hidden_size": 16384, "ffn_hidden_size": 53248, "num_attention_heads": 128,
+        "num_query_groups": 8, "seq_length": 8192, "max_position_embeddings": 131072, "vocab_size": 128256,
+        "norm_epsilon": 1e-5, "rotary_base": 500000.0, "init_method_std": 0.02, "use_rope_scaling": True,
+        "rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
+        "rope_scaling_original_max_position_embeddings": 8192,
+    },
     "llama3.2-1b": {  # tied embeddings and Llama 3.1's RoPE scaling (factor 32 for 3.2)
         **_LLAMA, "num_layers": 16, "hidden_size": 2048, "ffn_hidden_size": 8192, "num_attention_heads": 32,
         "num_query_groups": 8, "seq_length": 8192, "max_position_embeddings": 131072, "vocab_size": 128256,

@@ -66,6 +66,15 @@ PUBLISHED = {
                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                     "tie_word_embeddings": True, "vocab_size": 128256},
+    "llama3-70b": {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                   "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+                   "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256},
+    "llama3.1-405b": {"model_type": "llama", "hidden_size": 16384, "intermediate_size": 53248,
+                      "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
+                      "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      "tie_word_embeddings": False, "vocab_size": 128256},
     "qwen3-0.6b": {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
@@ -86,10 +95,10 @@ PUBLISHED = {
                           "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
                           "mlp_only_layers": [], "router_aux_loss_coef": 0.001},
 }
-# With the tied embedding counted once; the MoE models' are transformers' counts of the published configs (30.5B
-# and 14.3B as published).
+# With the tied embedding counted once; the MoE and large Llama models' are transformers' counts of the published
+# configs (30.5B, 14.3B, 70.6B and 405.9B as published).
 PARAMETERS = {"llama3.2-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920, "qwen3-30b-a3b": 30_532_122_624,
-              "qwen1.5-moe-a2.7b": 14_315_784_192}
+              "qwen1.5-moe-a2.7b": 14_315_784_192, "llama3-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800}
 
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))
