@@ -300,6 +300,16 @@ class DataConfig:
     """the tokenizer's file or directory (SentencePiece .model, Hugging Face tokenizer.json directory)"""
     num_workers: int | None = None
     """data loader processes per rank; default: 2 on a GPU, 0 on the CPU"""
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    """the key (column) holding each document's text when --data-path names raw text (JSON lines, Parquet, saved
+    datasets), which is tokenized and packed while training; default: text"""
+    skip_bad_records: int = 0
+    """raw text: skip up to this many records that are malformed or hold no text (each named in the log) instead of
+    stopping at the first"""
+    raw_text_chunk_mib: float = 4.0
+    """raw text: a plain JSON-lines file is read in byte ranges of this many MiB, the units the loader workers take
+    and the bounded buffer its documents are shuffled in (Parquet: a row group; saved datasets: 1024 rows; .gz/.zst
+    files: the whole file); changing it changes the sample order"""
     data_cache_path: str | None = None
     """where the datasets' sample indices are cached; default: cache/ beside each corpus"""
     # Documents packed into a sequence, split at the tokenizer's end-of-document (EOD) token

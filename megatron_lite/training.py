@@ -138,8 +138,10 @@ def build_datasets(config: Config):
         return (MockGPTDataset(train_n, m.seq_length, m.vocab_size, seed),
                 MockGPTDataset(valid_n, m.seq_length, m.vocab_size, seed + 1),
                 MockGPTDataset(test_n, m.seq_length, m.vocab_size, seed + 2))
-    from megatron_lite.data import builder
+    from megatron_lite.data import builder, raw_text
 
+    if raw_text.uses_raw_text(d):
+        return raw_text.build_datasets(config, (train_n, valid_n, 0), _loader_workers(config))
     options = {"cache_dir": d.data_cache_path, "vocab_size": m.vocab_size, "mmap_bin_files": d.mmap_bin_files}
     if d.train_data_path:
         return builder.build_per_split_datasets((d.train_data_path, d.valid_data_path, d.test_data_path),
@@ -199,6 +201,11 @@ def _collate_fn(dataset, config: Config):
                              reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
 
 
+def _loader_workers(config: Config) -> int:
+    on_gpu = resolve_device(config.training.device).type == "cuda"
+    return config.data.num_workers if config.data.num_workers is not None else (2 if on_gpu else 0)
+
+
 def build_data_iterator(dataset, config: Config, pstate: ParallelState, consumed_samples: int):
     """Micro-batches for this data-parallel rank, starting after `consumed_samples`.
 
@@ -209,8 +216,12 @@ def build_data_iterator(dataset, config: Config, pstate: ParallelState, consumed
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, config.training.micro_batch_size,
                                  pstate.dp_rank, pstate.dp_size)
+    from megatron_lite.data import raw_text
+
+    if isinstance(dataset, raw_text.RawTextDataset):  # tokenized in the loader's workers, packed here
+        return raw_text.data_iterator(dataset, sampler, _collate_fn(dataset, config))
     on_gpu = resolve_device(config.training.device).type == "cuda"
-    workers = config.data.num_workers if config.data.num_workers is not None else (2 if on_gpu else 0)
+    workers = _loader_workers(config)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate_fn(dataset, config),
                                          num_workers=workers, pin_memory=on_gpu, persistent_workers=workers > 0)
     return iter(loader)

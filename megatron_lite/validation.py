@@ -309,6 +309,7 @@ def _run_problems(config: Config) -> list[str]:
         problems.append(f"global-batch-size ({t.global_batch_size}) must be divisible by micro-batch-size "
                         f"({t.micro_batch_size}) x data-parallel size ({p.data_parallel_size}) = {per_step}")
     problems += _data_source_problems(config)
+    problems += _raw_text_problems(config)
     if config.logging.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         problems.append("--tensorboard-dir needs the tensorboard package: pip install 'megatron-lite[tensorboard]'")
     if d.mock_data and not m.vocab_size:
@@ -348,6 +349,21 @@ def _data_source_problems(config: Config) -> list[str]:
         return ["no training data: pass --data-path PREFIX (see tools/preprocess_data.py), --data-args-path FILE, "
                 "--train-data-path PREFIX or --mock-data"]
     return []
+
+
+def _raw_text_problems(config: Config) -> list[str]:
+    """What training from raw text needs: one text key (preprocessing writes one dataset per key; a run reads
+    one), a non-negative bad-record allowance, and chunks of a positive size."""
+    d = config.data
+    problems = []
+    if len(d.json_keys) != 1:
+        problems.append(f"--json-keys takes one key when training ({' '.join(d.json_keys)} given): name the column "
+                        f"holding the text")
+    if d.skip_bad_records < 0:
+        problems.append(f"skip-bad-records ({d.skip_bad_records}) must be >= 0")
+    if not d.raw_text_chunk_mib > 0:
+        problems.append(f"raw-text-chunk-mib ({d.raw_text_chunk_mib}) must be a positive number of MiB")
+    return problems
 
 
 def _document_problems(config: Config) -> list[str]:

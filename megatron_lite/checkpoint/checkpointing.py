@@ -9,7 +9,8 @@ configuration, versions. The learning rate is a function of the iteration and ne
 optimizer describe what they hold with the FlatShard protocol (optim/distributed_optimizer.py: a flat
 range of a parameter's TP shard, whole for the plain optimizer, 1/d of it under ZeRO), which becomes boxes
 of the global tensors. Every rank writes only the boxes it holds, in parallel; boxes held by several ranks
-(data-parallel replicas, the last stage's copy of tied embeddings) are written once.
+(data-parallel replicas, the last stage's copy of tied embeddings) are written once. A raw-text run's
+loader position goes in metadata.json too (data/raw_text.py).
 
 Each rank records the size and CRC-32 of the files it wrote; the coordinator commits only when every
 file is there (checkpoint/checksums.py) and stores the records in `metadata.json`. A load verifies them,
@@ -60,6 +61,7 @@ from megatron_lite.checkpoint.rng_state import layout_tag, rng_states, set_rng_s
 from megatron_lite.checkpoint.save_lock import SaveLock, unwritable
 from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config import Config
+from megatron_lite.data import raw_text
 from megatron_lite.model.sharding import FlatShard
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
@@ -189,6 +191,9 @@ class Checkpointer:
                                "vp": self.config.virtual_pipeline_stages},
                     "rng_layout": tag, "config": self.config.to_dict(), "versions": _versions(),
                     "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        loader = raw_text.loader_state(self.config, consumed_samples)
+        if loader is not None:  # where a raw-text stream stands at consumed_samples
+            metadata["data_loader"] = loader
         self.last_saved_iteration = iteration
         if self.executor is None:
             self._write(pieces, root, iteration, metadata)
@@ -334,6 +339,7 @@ class Checkpointer:
         if c.finetune:
             return ResumeState()
         self.last_saved_iteration = iteration
+        raw_text.restore_loader_state(self.config, saved.get("data_loader"), saved["consumed_samples"])
         return ResumeState(iteration, saved["consumed_samples"], rng)
 
     def _verify_files(self, path: str, records: dict | None, fallback) -> None:
