@@ -1,0 +1,74 @@
+"""Training from raw text on bad input: one line (a malformed record naming file and line; a missing, empty or
+keyless source and a tokenizer without an end-of-document token before any model is built)."""
+
+import pytest
+
+import pretrain_gpt
+from megatron_lite.arguments import make_config
+from megatron_lite.errors import DataError
+from megatron_lite.training import pretrain
+from tests.helpers import TINY_2_LAYERS
+from tests.test_data_raw_text import random_documents, write_documents
+
+VOCAB = 500
+
+
+def raw_values(data_path, **extra):
+    return {**TINY_2_LAYERS, "mock_data": False, "data_path": data_path, "split": "100,0,0",
+            "tokenizer_type": "NullTokenizer", "vocab_size": VOCAB, "seq_length": 16, "max_position_embeddings": 16,
+            "global_batch_size": 8, "train_iters": 8, "raw_text_chunk_mib": 512 / 2**20, **extra}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("raw_training") / "a.jsonl"
+    write_documents(path, random_documents(60, 0))
+    return str(path)
+
+
+def _never_built(*args):
+    raise AssertionError("the model was built before the data was refused")
+
+
+def _train(values: dict, provider=pretrain_gpt.model_provider):
+    return pretrain(make_config(values), provider, pretrain_gpt.forward_step)
+
+
+def test_a_malformed_record_names_file_and_line_or_is_skipped_and_counted(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    write_documents(path, random_documents(30, 2))
+    lines = path.read_text().splitlines()
+    lines[2] = '{"text": "1 2 3"'  # cut short
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=rf"^{path}:3: malformed JSON line .*--skip-bad-records N"):
+        _train(raw_values([str(path)], train_iters=2))
+    _train(raw_values([str(path)], train_iters=2, skip_bad_records=1))
+    assert f"skipped bad record {path}:3: malformed JSON line" in capsys.readouterr().out
+    lines[5] = '{"title": "no text here"}'
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=rf"2 bad records, more than --skip-bad-records 1; the last: {path}:6: no text"):
+        _train(raw_values([str(path)], train_iters=2, skip_bad_records=1))
+
+
+def test_missing_empty_or_keyless_sources_are_refused_before_the_model_is_built(corpus, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    cases = [([str(tmp_path / "missing.jsonl")], {}, "raw text source .*missing.jsonl not found"),
+             ([str(tmp_path / "empty.jsonl")], {}, "empty.jsonl is empty"),
+             ([str(tmp_path / "blank.jsonl")], {}, "blank.jsonl holds no documents"),
+             ([corpus], {"json_keys": ["content"]},
+              r"a.jsonl:1: no text under --json-keys 'content' \(keys: text, id\)")]
+    for data_path, extra, message in cases:
+        with pytest.raises(DataError, match=message):
+            _train(raw_values(data_path, **extra), _never_built)
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused_before_the_model_is_built(corpus, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(10)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    values = raw_values([corpus], tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    with pytest.raises(DataError, match="has none of the end-of-document tokens"):
+        _train(values, _never_built)
