@@ -56,14 +56,20 @@ def losses_and_norms(values: dict, world_size: int) -> list[tuple[float, float]]
     return [(h["lm_loss"], h["grad_norm"]) for h in history]
 
 
-_BUILT: list = []
+def pretrain_keeping_chunks(values: dict, world_size: int) -> tuple[list[dict], list]:
+    """pretrain() with pretrain_gpt's model provider: its metrics and the model chunks it built, so the caller
+    can read their weights afterwards. The chunks live only as long as the caller's reference: kept at module
+    level, the last run's model would keep its process groups (three gloo threads each) alive in the test
+    world for the rest of the session."""
+    chunks = []
 
+    def provider(config, pstate, plan, device):
+        chunk = pretrain_gpt.model_provider(config, pstate, plan, device)
+        chunks.append(chunk)
+        return chunk
 
-def _capturing_provider(config, pstate, plan, device):
-    """pretrain_gpt's model provider, keeping each chunk so the test can read its weights afterwards."""
-    chunk = pretrain_gpt.model_provider(config, pstate, plan, device)
-    _BUILT.append(chunk)
-    return chunk
+    history = pretrain(make_config(values, world_size), provider, pretrain_gpt.forward_step)
+    return history, chunks
 
 
 def parameter_records(chunks, tensor_of) -> list[tuple]:
@@ -84,10 +90,9 @@ def parameter_records(chunks, tensor_of) -> list[tuple]:
 
 def train_and_collect(values: dict, world_size: int):
     """Train with training.pretrain; per-step losses, final weights and the last step's gradients."""
-    _BUILT.clear()
-    history = pretrain(make_config(values, world_size), _capturing_provider, pretrain_gpt.forward_step)
-    return ([h["lm_loss"] for h in history], parameter_records(_BUILT, lambda p: p),
-            parameter_records(_BUILT, lambda p: p.main_grad))
+    history, chunks = pretrain_keeping_chunks(values, world_size)
+    return ([h["lm_loss"] for h in history], parameter_records(chunks, lambda p: p),
+            parameter_records(chunks, lambda p: p.main_grad))
 
 
 def join_shards(records_of_all_ranks: list[list[tuple]]) -> dict[tuple, object]:

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_on_ranks
+from tests.helpers import train_and_collect
 
 
 def rank_and_sum():
@@ -77,3 +78,16 @@ def test_a_finished_training_run_frees_its_process_groups(layout):
     [before, *_] = run_on_ranks(4, gloo_threads)
     run_on_ranks(4, train_briefly, {**TINY, **LAYOUTS[layout]}, 4)
     assert run_on_ranks(4, gloo_threads) == [before] * 4
+
+
+def test_tasks_that_read_their_trained_model_leave_no_group_alive():
+    """A test helper that keeps the model it trained, to read its weights afterwards, keeps it only as long as the
+    task: after each such task the world's workers are back to the default group's gloo threads (a model held at
+    module level kept its run's groups, and their threads, alive through the tasks that followed)."""
+    layouts = [{"pipeline_model_parallel_size": 2}, {"tensor_model_parallel_size": 2}]
+    [before, _] = run_on_ranks(2, gloo_threads)
+    after = []
+    for layout in layouts:
+        run_on_ranks(2, train_and_collect, {**TINY, **layout}, 2)
+        after.append(run_on_ranks(2, gloo_threads))
+    assert after == [[before] * 2] * len(layouts)

@@ -21,6 +21,7 @@ from megatron_lite.arguments import make_config
 from megatron_lite.model.sharding import unshard
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks
+from tests.helpers import pretrain_keeping_chunks
 
 # Four layers with --moe-layer-freq 2: MoE layers 0 and 2 (one on each stage of a 2-stage pipeline), dense 1, 3.
 MOE = {
@@ -64,25 +65,16 @@ MODERN_LAYOUTS = {
 SHARDED_GRADS = {"ep2_zero2_recompute", "modern_ep2_pp2_zero2"}  # gradients live as data-parallel shards: losses only
 CAPACITY_LAYOUTS = ("ep4", "ep2_tp2_sp", "ep2_pp2", "ep2_allgather", "ep4_cp2")
 
-_BUILT: list = []
-
-
-def _capturing_provider(config, pstate, plan, device):
-    chunk = pretrain_gpt.model_provider(config, pstate, plan, device)
-    _BUILT.append(chunk)
-    return chunk
-
 
 def _train(values: dict, world_size: int) -> dict:
     """Losses and MoE metrics per step; the last step's gradients of the router, expert and shared-expert
     weights as {global name: (tp rank, spec, tensor)}, this rank's pieces; the routers' expert biases."""
-    _BUILT.clear()
-    history = pretrain(make_config(values, world_size), _capturing_provider, pretrain_gpt.forward_step)
+    history, chunks = pretrain_keeping_chunks(values, world_size)
     grads = {name: (chunk.pstate.tp_rank, param.spec, param.main_grad.clone())
-             for chunk in _BUILT for name, param in chunk.named_global_parameters()
+             for chunk in chunks for name, param in chunk.named_global_parameters()
              if ".mlp." in name and name.split(".mlp.")[1].startswith(("router.", "experts.", "shared_experts."))
              and param.main_grad is not None}
-    biases = {name: buffer.clone() for chunk in _BUILT for name, buffer in chunk.named_global_buffers()}
+    biases = {name: buffer.clone() for chunk in chunks for name, buffer in chunk.named_global_buffers()}
     return {"history": history, "grads": grads, "biases": biases}
 
 
