@@ -197,6 +197,10 @@ class ParallelConfig:
     data_parallel_sharding_strategy: str = "no_shard"
     """what a data-parallel rank keeps (optim/zero_stage.py): no_shard, optim (ZeRO-1: optimizer state), optim_grads
     (ZeRO-2: and gradients), optim_grads_params (ZeRO-3: and parameters)"""
+    num_distributed_optimizer_instances: int = 1
+    """with a sharded strategy: shard within N groups of data-parallel x context-parallel / N consecutive ranks
+    (one node, say) and all-reduce the gradient shards between the groups once per step (Megatron's partial
+    distributed optimizer, FSDP's hybrid sharding): less memory saved, the slow links carry only the all-reduce"""
     data_parallel_size: int = 1
     """derived from the world size, never a flag"""
 

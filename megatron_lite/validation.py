@@ -40,7 +40,7 @@ _INT_MINIMUMS = {
     "moe_router_num_groups": 1, "moe_router_group_topk": 1, "moe_shared_expert_intermediate_size": 1,
     "recompute_num_layers": 1, "tensor_model_parallel_size": 1, "context_parallel_size": 1,
     "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1, "num_layers_per_virtual_pipeline_stage": 1,
-    "num_virtual_stages_per_pipeline_rank": 1,
+    "num_virtual_stages_per_pipeline_rank": 1, "num_distributed_optimizer_instances": 1,
     "decoder_first_pipeline_num_layers": 0, "decoder_last_pipeline_num_layers": 0,
     "lr_warmup_iters": 0, "lr_decay_iters": 1, "loss_scale_window": 1, "hysteresis": 1, "num_workers": 0,
     "ddp_bucket_size": 1,
@@ -140,6 +140,15 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
     if cp > 1 and m.attention_dropout > 0:
         problems.append(f"attention-dropout ({m.attention_dropout}) must be 0 with context-parallel-size > 1 "
                         f"(ring attention has no dropout); pass --attention-dropout 0")
+    instances = p.num_distributed_optimizer_instances
+    if instances > 1 and p.data_parallel_sharding_strategy == "no_shard":
+        problems.append(f"--num-distributed-optimizer-instances {instances} needs --use-distributed-optimizer (or a "
+                        f"--data-parallel-sharding-strategy other than no_shard)")
+    elif (dp * cp) % instances or (m.num_experts and (dp * cp // ep) % instances):
+        what = (f"data-parallel x context-parallel size ({dp} x {cp} = {dp * cp})" if (dp * cp) % instances else
+                f"the expert data-parallel size (data-parallel x context-parallel / expert-model-parallel = "
+                f"{dp * cp // ep})")
+        problems.append(f"num-distributed-optimizer-instances ({instances}) must divide {what}")
     if (dp * cp) % ep:
         problems.append(f"expert-model-parallel-size ({ep}) must divide data-parallel x context-parallel "
                         f"size ({dp} x {cp} = {dp * cp})")

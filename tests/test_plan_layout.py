@@ -1,7 +1,7 @@
 """The layout planner: its parameter, gradient and optimizer bytes are those the built model and optimizer
 allocate on every rank (tiny models in 4-rank worlds: TP+SP, PP with tied and untied embeddings, virtual
-stages, MoE with EP, every ZeRO stage, small buckets so that padding shows, optimizer state offloaded to the
-host); a layout that cannot fit is
+stages, MoE with EP, every ZeRO stage, two distributed-optimizer instances, small buckets so that padding shows,
+optimizer state offloaded to the host); a layout that cannot fit is
 refused naming the rank and the bytes over; --json lists valid layouts fastest first. Under zb-h1 the gradients a
 waiting weight-gradient pass holds, and how many passes wait at once, are those of a real run on every stage."""
 
@@ -48,6 +48,11 @@ LAYOUTS = {
     "tp2_dp2_zero1_bf16_offload_0.3": {**LLAMA, "tensor_model_parallel_size": 2, "use_distributed_optimizer": True,
                                        "bf16": True, "ddp_bucket_size": 4000, "optimizer_cpu_offload": True,
                                        "optimizer_offload_fraction": 0.3},
+    "dp4_two_instances_zero3_bf16": {**LLAMA, "data_parallel_sharding_strategy": "optim_grads_params",
+                                     "num_distributed_optimizer_instances": 2, "bf16": True, "ddp_bucket_size": 3000},
+    "dp4_ep2_moe_two_instances_zero1": {**LLAMA, "model_preset": "mixtral-tiny", "num_experts": 4,
+                                        "expert_model_parallel_size": 2, "use_distributed_optimizer": True,
+                                        "num_distributed_optimizer_instances": 2, "ddp_bucket_size": 7000},
     "pp2_vp2_dp2_no_shard_fp32_offload_0.6": {**LLAMA, "pipeline_model_parallel_size": 2,
                                               "num_virtual_stages_per_pipeline_rank": 2, "optimizer_cpu_offload": True,
                                               "optimizer_offload_fraction": 0.6},

@@ -38,7 +38,7 @@ from megatron_lite.tool_args import ToolParser, fraction, non_negative_int, posi
 LAYOUT_FLAGS = {"tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
                 "expert_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                 "num_virtual_stages_per_pipeline_rank", "use_distributed_optimizer", "data_parallel_sharding_strategy",
-                "recompute_granularity"}
+                "num_distributed_optimizer_instances", "recompute_granularity"}
 
 
 def planner_parser() -> ToolParser:

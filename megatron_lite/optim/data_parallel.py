@@ -10,6 +10,9 @@ collective. Gradients are summed, not averaged: the training loop divides by the
 global batch afterwards.
 
 `data_parallel_sharding_strategy` (the ZeRO stage, zero_stage.py) decides what a rank keeps between steps.
+With --num-distributed-optimizer-instances N a sharded strategy shards within each instance (the
+intra_dp_cp and intra_expert_dp groups of parallel/state.py): reduce-scatters and all-gathers stay inside
+it, and finish_grad_sync all-reduces each rank's gradient shards across the instances (inter_dist_opt).
 ZeRO-2 reduce-scatters in every micro-batch (DeepSpeed's trade: more communication for 1/d of the gradient
 memory).
 
@@ -116,11 +119,13 @@ class DistributedDataParallel(torch.nn.Module):
         isolated = set(module.shared_embedding_parameters())  # same shard on the first and the last stage
         kinds = sorted({(p.spec.expert, p.dtype) for p in params}, key=str)
         self.buffers = []
+        sharded = self.stage.shards_optimizer_state  # sharded within a distributed-optimizer instance
         for expert, dtype in kinds:
             members = [p for p in params if (p.spec.expert, p.dtype) == (expert, dtype)]
-            group = pstate.group("expert_dp" if expert else "dp_cp")
-            self.buffers.append(GradBuffer(cut_buckets(members, bucket_size, unit_of, isolated), group,
-                                           self.stage))
+            kind = "expert_dp" if expert else "dp_cp"
+            group = pstate.group("intra_" + kind if sharded else kind)
+            self.buffers.append(GradBuffer(cut_buckets(members, bucket_size, unit_of, isolated), group, self.stage,
+                                           pstate.group("inter_dist_opt") if sharded else None))
         self.buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         accumulate = _calls_while_alive(self._accumulate)
@@ -258,12 +263,14 @@ class DistributedDataParallel(torch.nn.Module):
 
     def finish_grad_sync(self) -> None:
         """After the last micro-batch: complete every bucket's reduction (no_shard, optim; ZeRO-2/3 reduced
-        each backward's gradients at its end)."""
+        each backward's gradients at its end), then sum the shards across distributed-optimizer instances."""
         if not self.stage.shards_grads:
             for bucket in self.buckets:
                 bucket.start_grad_reduction()
         for bucket in self.buckets:
             bucket.finish_grad_reduction()
+        for buffer in self.buffers:
+            buffer.all_reduce_across_instances()
 
     def grad_buffer_square_sum(self) -> torch.Tensor:
         """The sum of squares of this rank's gradient buffers as they are now. Before finish_grad_sync they hold

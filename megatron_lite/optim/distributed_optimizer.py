@@ -16,7 +16,9 @@ size of the dp x cp group (expert parameters: the expert-data-parallel group):
 
 plus bucket padding (under d elements per bucket). The gradient norm sums squares over the owned
 shards, which partition every data-parallel group, so each element counts once (tensor-parallel
-replicas are counted on TP rank 0, as without sharding).
+replicas are counted on TP rank 0, as without sharding). With N distributed-optimizer instances
+(--num-distributed-optimizer-instances) d is the size of one instance, dp x cp / N (expert: edp / N): the
+shards partition each instance, every element is stepped on N ranks, and its square is divided by N.
 
 Checkpoint protocol (the same for `Optimizer` and `DistributedOptimizer`). `sharded_state_dict()` returns
 
@@ -64,7 +66,8 @@ class DistributedOptimizer(Optimizer):
         return [r for chunk in self.model_chunks for r in chunk.owned_ranges()]
 
     def _replication(self) -> tuple[int, int]:
-        return 1, 1  # owned ranges partition every data-parallel group
+        instances = self.pstate.dist_opt_instances  # owned ranges partition each instance
+        return instances, instances
 
     def _sync_params(self) -> None:
         for chunk in self.model_chunks:

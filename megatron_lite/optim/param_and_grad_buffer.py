@@ -5,6 +5,11 @@ data-parallel group size, reduced with one collective (all-reduce, or reduce-sca
 a 1/d shard) and, when parameters are sharded, gathered with one all-gather. A `GradBuffer` holds the buckets
 of the parameters of one dtype reduced over one group. What each ZeRO stage keeps is described in
 zero_stage.py; data_parallel.py's DistributedDataParallel drives these buckets from autograd hooks.
+
+With several distributed-optimizer instances the group is one instance's ranks (d is its size) and the
+same shard lives on one rank of every instance: after the last micro-batch each rank all-reduces its
+reduced shard with those ranks (the inter-instance group), once per step even where ZeRO-2/3
+reduce-scatter every micro-batch, since a sum of all-reduces is the all-reduce of the sum.
 """
 
 from __future__ import annotations
@@ -214,9 +219,13 @@ def cut_buckets(params: list[torch.nn.Parameter], bucket_size: int, unit_of: dic
 
 class GradBuffer:
     """The buckets of parameters of one dtype reduced over one group; `data` is their persistent fp32
-    gradient storage: the whole buckets (no_shard, optim) or this rank's shards (optim_grads(_params))."""
+    gradient storage: the whole buckets (no_shard, optim) or this rank's shards (optim_grads(_params)).
+    `inter_instance_group` holds the ranks with the same shards in the other distributed-optimizer instances."""
 
-    def __init__(self, bucket_params: list[list[torch.nn.Parameter]], group, stage: ZeroStage):
+    def __init__(self, bucket_params: list[list[torch.nn.Parameter]], group, stage: ZeroStage,
+                 inter_instance_group=None):
+        self.stage = stage
+        self.inter_instance_group = inter_instance_group
         self.buckets = [Bucket(params, group, stage) for params in bucket_params]
         device = bucket_params[0][0].device
         whole = not stage.shards_grads
@@ -231,3 +240,16 @@ class GradBuffer:
             if stage.shards_optimizer_state:
                 bucket.attach_params()
             start += size
+
+    def all_reduce_across_instances(self) -> None:
+        """Sum this rank's reduced shards with the other instances' copies (once the buckets' reductions have
+        finished): ZeRO-2/3 keep only the shards, all of `data`, one collective; ZeRO-1 one per bucket."""
+        group = self.inter_instance_group
+        if group is None:
+            return
+        if self.stage.shards_grads:
+            shards = [self.data]
+        else:
+            shards = [b.grad_data[b.shard_start:b.shard_start + b.shard_size] for b in self.buckets]
+        for handle in [mappings.start_all_reduce(shard, group) for shard in shards]:
+            handle.wait()

@@ -11,13 +11,26 @@ Groups, and what each is for:
   cp_a2a      with hierarchical cp A x B: A consecutive cp ranks that exchange heads by all-to-all
   cp_p2p      with hierarchical cp A x B: the B cp ranks at one place in their a2a groups (K/V ring)
   dp          data-parallel replicas (with cp=1, where non-expert gradients are reduced)
-  dp_cp       data x context parallel: where non-expert gradients are reduced, the optimizer sharded
+  dp_cp       data x context parallel: where non-expert gradients are reduced
+  intra_dp_cp with N distributed-optimizer instances: dp x cp / N consecutive dp_cp ranks (one instance), where
+              dense gradients are reduce-scattered and the optimizer and ZeRO-3 parameters sharded
+              (the dp_cp group itself when N = 1)
+  inter_dist_opt  the N ranks at the same place of their instances: each all-reduces its gradient shard
+              with the others (None when N = 1)
   pp          the pipeline stages holding one model replica (send/recv activations)
   embedding   first and last pipeline stage (keeps tied input/output embeddings equal)
   ep          expert-parallel ranks that split the experts of one layer (token all-to-all)
   expert_dp   replicas of the same experts (where expert gradients are reduced)
+  intra_expert_dp  edp / N consecutive expert_dp ranks: the instance's share of expert_dp, as intra_dp_cp
   model_parallel  tp x pp ranks of one replica
   world       every rank (global norms; None for a single-rank layout)
+
+Distributed-optimizer instances (Megatron's --num-distributed-optimizer-instances, FSDP's hybrid sharding):
+instance i holds dp_cp indices [i s, (i + 1) s) with s = dp x cp / N, so it sits on adjacent ranks (one
+node) and only the inter-instance all-reduce crosses the slower links. The expert instances are cut the
+same way from expert_dp (edp / N consecutive edp indices); their inter-instance groups are the dense ones
+(an expert rank at edp index e and ep index j sits at dp_cp index e ep + j, and e mod (edp / N) fixes
+(e ep + j) mod s), so one group serves both, as in Megatron.
 
 The coordinate arithmetic is pure (`rank_coordinates`, `group_ranks`) and unit-tested without any
 process group. A `ParallelState` holds the groups for one layout; it is passed to whatever needs it,
@@ -37,7 +50,8 @@ import torch.distributed as dist
 class Layout:
     """Degrees of parallelism. `dp` is the data-parallel size of the dense (non-expert) layers;
     `hierarchical_cp` (A, B) splits cp = A x B into a2a groups of A consecutive cp ranks and p2p groups across
-    them (--hierarchical-context-parallel-sizes)."""
+    them (--hierarchical-context-parallel-sizes); `dist_opt_instances` N cuts the dp x cp (and expert dp) ranks
+    into N distributed-optimizer instances (--num-distributed-optimizer-instances)."""
 
     tp: int = 1
     cp: int = 1
@@ -45,9 +59,10 @@ class Layout:
     pp: int = 1
     ep: int = 1
     hierarchical_cp: tuple[int, int] | None = None
+    dist_opt_instances: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "cp", "dp", "pp", "ep"):
+        for name in ("tp", "cp", "dp", "pp", "ep", "dist_opt_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} size must be at least 1, got {getattr(self, name)}")
         if (self.dp * self.cp) % self.ep:
@@ -56,6 +71,10 @@ class Layout:
         if self.hierarchical_cp is not None and self.hierarchical_cp[0] * self.hierarchical_cp[1] != self.cp:
             raise ValueError(f"hierarchical-context-parallel-sizes {self.hierarchical_cp} must multiply to "
                              f"context-parallel-size ({self.cp})")
+        if self.edp % self.dist_opt_instances:
+            raise ValueError(f"num-distributed-optimizer-instances ({self.dist_opt_instances}) must divide the "
+                             f"expert data-parallel size ({self.edp}) and so data-parallel x context-parallel size "
+                             f"({self.dp} x {self.cp})")
 
     @property
     def world_size(self) -> int:
@@ -65,6 +84,16 @@ class Layout:
     def edp(self) -> int:
         """Expert data-parallel size: replicas of each expert within one pipeline stage."""
         return self.dp * self.cp // self.ep
+
+    @property
+    def instance_dp_cp(self) -> int:
+        """dp x cp ranks of one distributed-optimizer instance: the dense optimizer's sharding degree."""
+        return self.dp * self.cp // self.dist_opt_instances
+
+    @property
+    def instance_edp(self) -> int:
+        """Expert dp ranks of one distributed-optimizer instance: the expert optimizer's sharding degree."""
+        return self.edp // self.dist_opt_instances
 
     @classmethod
     def from_world(cls, world_size: int, tp=1, cp=1, pp=1, ep=1) -> Layout:
@@ -122,6 +151,11 @@ def _group_key(c: Coordinates, kind: str, layout: Layout) -> tuple:
     if kind in ("cp_a2a", "cp_p2p"):  # cp index = a2a group x A + place in it
         a2a = layout.hierarchical_cp[0]
         return c.tp, c.dp, c.pp, c.cp // a2a if kind == "cp_a2a" else c.cp % a2a
+    if kind in ("intra_dp_cp", "inter_dist_opt"):  # dp_cp index = instance x s + place in it
+        dp_cp, size = c.cp + layout.cp * c.dp, layout.instance_dp_cp
+        return c.tp, c.pp, dp_cp // size if kind == "intra_dp_cp" else dp_cp % size
+    if kind == "intra_expert_dp":
+        return c.tp, c.pp, c.ep, c.edp // layout.instance_edp
     spans = {
         "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp"),
         "model_parallel": ("tp", "pp"), "ep": ("ep",), "expert_dp": ("edp",),
@@ -139,6 +173,7 @@ def embedding_group_ranks(layout: Layout) -> list[list[int]]:
 
 _GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "model_parallel", "ep", "expert_dp")
 _HIERARCHICAL_CP_KINDS = ("cp_a2a", "cp_p2p")
+_INSTANCE_KINDS = {"intra_dp_cp": "dp_cp", "intra_expert_dp": "expert_dp", "inter_dist_opt": None}
 
 
 class ParallelState:
@@ -167,6 +202,9 @@ class ParallelState:
         for kind in _HIERARCHICAL_CP_KINDS:
             groups[kind] = (_new_groups_containing(rank, group_ranks(layout, kind), timeout)
                             if layout.hierarchical_cp else None)
+        for kind, whole in _INSTANCE_KINDS.items():  # one instance: the whole groups, nothing between them
+            groups[kind] = (_new_groups_containing(rank, group_ranks(layout, kind), timeout)
+                            if layout.dist_opt_instances > 1 else groups[whole] if whole else None)
         groups["embedding"] = _new_groups_containing(rank, embedding_group_ranks(layout), timeout)
         groups["world"] = dist.group.WORLD if world > 1 else None
         pp_ranks = next(r for r in group_ranks(layout, "pp") if rank in r)
@@ -182,8 +220,8 @@ class ParallelState:
         """Rank `rank`'s place in `layout`, with no process groups: enough to build and name its shard of a
         model (tools and tests), not to run it."""
         pp_ranks = next(r for r in group_ranks(layout, "pp") if rank in r)
-        return cls(layout, rank, dict.fromkeys((*_GROUP_KINDS, *_HIERARCHICAL_CP_KINDS, "embedding", "world")),
-                   pp_ranks)
+        kinds = (*_GROUP_KINDS, *_HIERARCHICAL_CP_KINDS, *_INSTANCE_KINDS, "embedding", "world")
+        return cls(layout, rank, dict.fromkeys(kinds), pp_ranks)
 
     def group(self, kind: str) -> dist.ProcessGroup | None:
         """The group of `kind` holding this rank (None when the layout has no such parallelism)."""
@@ -233,6 +271,10 @@ class ParallelState:
     @property
     def edp_size(self) -> int:
         return self.layout.edp
+
+    @property
+    def dist_opt_instances(self) -> int:
+        return self.layout.dist_opt_instances
 
     @property
     def is_first_stage(self) -> bool:

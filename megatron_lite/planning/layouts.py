@@ -1,10 +1,10 @@
 """Layouts of a model on a cluster: enumerate the valid ones, predict each one's memory and step time.
 
 A layout is a set of Megatron flags: TP with sequence parallelism, CP, PP, virtual stages, EP, the ZeRO
-stage, recomputation, --pipeline-schedule and --optimizer-cpu-offload with --optimizer-offload-fraction; a
-configuration's schedule and offloaded share are read from those flags. Validity is decided by
-validation.py, through arguments.make_config, exactly as a launch with those flags would decide it;
-a layout is then planned per pipeline stage (stages differ: the
+stage and its number of distributed-optimizer instances, recomputation, --pipeline-schedule and
+--optimizer-cpu-offload with --optimizer-offload-fraction; a configuration's schedule and offloaded share
+are read from those flags. Validity is decided by validation.py, through arguments.make_config, exactly as
+a launch with those flags would decide it; a layout is then planned per pipeline stage (stages differ: the
 first holds the embedding and the most micro-batches in flight, the last the output layer and the loss).
 """
 
@@ -19,7 +19,13 @@ from megatron_lite.config import Config
 from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.planning.activation_memory import ActivationBytes, stage_activation_bytes
 from megatron_lite.planning.state_memory import StateBytes, stage_state_bytes
-from megatron_lite.planning.step_time import Hardware, StepTime, predict_step_time
+from megatron_lite.planning.step_time import (
+    DataParallelBytes,
+    Hardware,
+    StepTime,
+    data_parallel_bytes,
+    predict_step_time,
+)
 from megatron_lite.validation import ConfigError
 
 STRATEGIES = tuple(stage.value for stage in ZeroStage)
@@ -50,6 +56,7 @@ class Plan:
     offload_fraction: float
     stages: list[StagePlan]
     step_time: StepTime
+    data_parallel_bytes: DataParallelBytes  # what the busiest rank sends per step, within and across nodes
     memory_bytes: int
     flags: dict = field(default_factory=dict)
 
@@ -92,7 +99,7 @@ def plan_layout(config: Config, memory_bytes: int, hardware: Hardware, flags: di
               for stage in range(p.pipeline_model_parallel_size)]
     busiest = max(stages, key=lambda stage: stage.state.numel).state
     return Plan(config, schedule, offload_fraction, stages, predict_step_time(config, schedule, busiest, hardware),
-                memory_bytes, flags or {})
+                data_parallel_bytes(config, busiest, hardware), memory_bytes, flags or {})
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
@@ -102,20 +109,25 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
 def candidate_flags(base: dict, world_size: int, gpus_per_node: int, schedules: tuple[str, ...],
                     offload_fractions: tuple[float, ...] = (0.0,), strategies=STRATEGIES, recompute=tuple(RECOMPUTE)):
     """Layout flags to try: TP within a node (with sequence parallelism), CP, PP with 1, 2 or 4 virtual stages
-    (each of `schedules` without virtual stages), EP for MoE models, every ZeRO stage and recomputation choice,
-    and each share of the optimizer state offloaded to the host (0: none)."""
+    (each of `schedules` without virtual stages), EP for MoE models, every ZeRO stage (the sharded ones with
+    every number of distributed-optimizer instances dividing dp x cp) and recomputation choice, and each share
+    of the optimizer state offloaded to the host (0: none)."""
     experts = base.get("num_experts") or 0
     for tp, cp, pp in itertools.product(_divisors(world_size, gpus_per_node), _divisors(world_size),
                                         _divisors(world_size)):
         if world_size % (tp * cp * pp):
             continue
         dp_cp = world_size // (tp * pp)
-        for ep, vp, strategy, recompute_name, fraction in itertools.product(
+        sharding = [(strategy, instances) for strategy in strategies
+                    for instances in (_divisors(dp_cp) if strategy != "no_shard" else [1])]
+        for ep, vp, (strategy, instances), recompute_name, fraction in itertools.product(
                 [ep for ep in _divisors(dp_cp) if experts and experts % ep == 0] or [1],
-                (1, 2, 4) if pp > 1 else (1,), strategies, recompute, offload_fractions):
+                (1, 2, 4) if pp > 1 else (1,), sharding, recompute, offload_fractions):
             flags = {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1, "context_parallel_size": cp,
                      "pipeline_model_parallel_size": pp, "expert_model_parallel_size": ep,
                      "data_parallel_sharding_strategy": strategy, **RECOMPUTE[recompute_name]}
+            if instances > 1:
+                flags["num_distributed_optimizer_instances"] = instances
             if vp > 1:
                 flags["num_virtual_stages_per_pipeline_rank"] = vp
             if fraction:

@@ -13,7 +13,8 @@ GIB = 2**30
 
 
 def layout_name(plan: Plan) -> str:
-    """tp2 cp1 pp4 vp2 dp8 ep1 ZeRO-1 recompute=full 1f1b offload=0.5, in Megatron's terms."""
+    """tp2 cp1 pp4 vp2 dp8 ep1 ZeRO-1 instances=2 recompute=full 1f1b offload=0.5, in Megatron's terms (instances:
+    --num-distributed-optimizer-instances, when above 1)."""
     c = plan.config
     p, m = c.parallel, c.model
     stage = zero_stage_of(c)
@@ -23,8 +24,10 @@ def layout_name(plan: Plan) -> str:
              f"vp{c.virtual_pipeline_stages or 1}", f"dp{p.data_parallel_size}"]
     if m.num_experts:
         parts.append(f"ep{p.expert_model_parallel_size}")
-    parts += [f"ZeRO-{level}" if level else "no-ZeRO", f"recompute={m.recompute_granularity or 'none'}",
-              plan.schedule]
+    parts.append(f"ZeRO-{level}" if level else "no-ZeRO")
+    if p.num_distributed_optimizer_instances > 1:
+        parts.append(f"instances={p.num_distributed_optimizer_instances}")
+    parts += [f"recompute={m.recompute_granularity or 'none'}", plan.schedule]
     if plan.offload_fraction:
         parts.append(f"offload={plan.offload_fraction:g}")
     return " ".join(parts)
@@ -67,7 +70,9 @@ def plan_lines(plan: Plan) -> list[str]:
     return [layout_name(plan), *stage_lines(plan),
             f"  step {t.total:.3f} s = compute {t.compute:.3f} + bubble {t.bubble:.3f} + tp {t.tensor_parallel:.3f}"
             f" + cp {t.context_parallel:.3f} + pp {t.pipeline:.3f} + dp {t.data_parallel:.3f}"
-            f" + ep {t.expert_parallel:.3f} + offload {t.offload:.3f}"]
+            f" + ep {t.expert_parallel:.3f} + offload {t.offload:.3f}",
+            f"  data parallel per step and rank: {plan.data_parallel_bytes.intra_node / GIB:.2f} GiB within nodes, "
+            f"{plan.data_parallel_bytes.inter_node / GIB:.2f} GiB across nodes"]
 
 
 def refusal(plan: Plan) -> str:
@@ -85,6 +90,8 @@ def plan_record(plan: Plan) -> dict:
             "offload_fraction": plan.offload_fraction, "fits": plan.fits, "over_by_bytes": plan.over_by,
             "max_rank_bytes": plan.largest.total, "step_time_s": plan.step_time.total,
             "step_time": asdict(plan.step_time),
+            "data_parallel_bytes": {"intra_node": plan.data_parallel_bytes.intra_node,
+                                    "inter_node": plan.data_parallel_bytes.inter_node},
             "stages": [{"pp_rank": s.pp_rank, "first_rank": s.first_rank, "params_bytes": s.state.params,
                         "grads_bytes": s.state.grads, "optimizer_bytes": s.state.optimizer,
                         "optimizer_host_bytes": s.state.optimizer_on_host,

@@ -5,7 +5,8 @@ of each model chunk in `module.parameters()` order (model/gpt.py, transformer.py
 moe.py: a module's own parameters before its children's), the vocabulary padded to a multiple of
 --make-vocab-size-divisible-by x TP, the buckets of optim/data_parallel.py (parameters in reverse order,
 about --ddp-bucket-size elements each, never spanning two ZeRO-3 units, the isolated tied-embedding copy,
-each padded to a multiple of its data-parallel group) and what each ZeRO stage keeps of them:
+each padded to a multiple of its data-parallel group: with --num-distributed-optimizer-instances N, of one
+instance's dp x cp / N ranks) and what each ZeRO stage keeps of them:
 
   params     no_shard: every parameter in its own storage; optim/optim_grads: each bucket's padded buffer;
              optim_grads_params: this rank's shard of each bucket (parameter dtype)
@@ -170,9 +171,10 @@ def _chunk_bucket_params(config: Config, chunk: ChunkPlan) -> list[tuple[bool, l
 
 
 def _group_sizes(config: Config) -> dict[bool, int]:
-    """The data-parallel group of dense (False) and expert (True) buckets."""
+    """The group dense (False) and expert (True) buckets are padded to and sharded over: the data-parallel ranks of
+    one distributed-optimizer instance (all of them with one instance)."""
     p = config.parallel
-    dense_group = p.data_parallel_size * p.context_parallel_size
+    dense_group = p.data_parallel_size * p.context_parallel_size // p.num_distributed_optimizer_instances
     return {False: dense_group, True: dense_group // p.expert_model_parallel_size}
 
 
@@ -196,7 +198,8 @@ def owned_range_numels(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> li
     numels = []
     for expert, bucket in _chunk_bucket_params(config, chunk):
         shard = _round_up(sum(param.numel for param in bucket), groups[expert]) // groups[expert]
-        shard_start = (dp_rank // p.expert_model_parallel_size if expert else dp_rank) * shard
+        index = dp_rank // p.expert_model_parallel_size if expert else dp_rank
+        shard_start = index % groups[expert] * shard  # the same shard in every distributed-optimizer instance
         offset = 0
         for param in bucket:
             owned = min(shard_start + shard, offset + param.numel) - max(shard_start, offset)

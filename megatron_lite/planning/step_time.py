@@ -13,13 +13,16 @@ hide communication). Per rank and step, with m micro-batches of t local tokens:
   pipeline    one t h e send per micro-batch, chunk and direction
   data par.   fp32 gradients all-reduced (no_shard) or reduce-scattered (once, ZeRO-1; every micro-batch,
               ZeRO-2/3) and parameters all-gathered (once, ZeRO-1/2; forward and backward of every
-              micro-batch, ZeRO-3), (d - 1) / d of the bytes each
+              micro-batch, ZeRO-3), (d - 1) / d of the bytes each; with N distributed-optimizer instances
+              these within an instance (d / N ranks), and the rank's fp32 gradient shard all-reduced across
+              the instances once per step, 2 (N - 1) / N of its bytes (`data_parallel_bytes`)
   experts     4 all-to-alls of the t k routed tokens per MoE layer and micro-batch, (ep - 1) / ep of them
   offload     the optimizer state moved to the host costs its gradients down and parameters up per step
               over `host_bandwidth`
 
 A group whose ranks all fit in one node (rank order tp, cp, dp, pp) uses `intra_node_bandwidth`, else
-`inter_node_bandwidth` (bytes/s, one direction, per GPU).
+`inter_node_bandwidth` (bytes/s, one direction, per GPU). An instance is d / N consecutive data-parallel
+ranks, tp d / N ranks of the rank order; the inter-instance group spans all tp d of them.
 """
 
 from __future__ import annotations
@@ -66,6 +69,42 @@ def _bandwidth(hardware: Hardware, span: int) -> float:
     return hardware.intra_node_bandwidth if span <= hardware.gpus_per_node else hardware.inter_node_bandwidth
 
 
+@dataclass
+class DataParallelBytes:
+    """Bytes one rank sends per step for data parallelism, by the link they cross."""
+
+    intra_node: float = 0.0
+    inter_node: float = 0.0
+
+    def add(self, nbytes: float, span: int, hardware: Hardware) -> None:
+        """A collective over a group whose ranks span `span` consecutive ranks."""
+        if span <= hardware.gpus_per_node:
+            self.intra_node += nbytes
+        else:
+            self.inter_node += nbytes
+
+    def seconds(self, hardware: Hardware) -> float:
+        return self.intra_node / hardware.intra_node_bandwidth + self.inter_node / hardware.inter_node_bandwidth
+
+
+def data_parallel_bytes(config: Config, state: StateBytes, hardware: Hardware) -> DataParallelBytes:
+    """What a rank holding `state` sends per step to reduce gradients and gather parameters."""
+    p = config.parallel
+    tp, d = p.tensor_model_parallel_size, p.data_parallel_size * p.context_parallel_size
+    instances = p.num_distributed_optimizer_instances
+    traffic = DataParallelBytes()
+    stage, e, micro = zero_stage_of(config), param_bytes(config), config.num_microbatches
+    if not stage.shards_optimizer_state:
+        traffic.add(2 * (d - 1) / d * state.numel * FP32, tp * d, hardware)
+        return traffic
+    s = d // instances  # ranks of one instance
+    reductions = micro if stage.shards_grads else 1
+    gathers = 2 * micro if stage.shards_params else 1
+    traffic.add((s - 1) / s * state.numel * (reductions * FP32 + gathers * e), tp * s, hardware)
+    traffic.add(2 * (instances - 1) / instances * state.numel / s * FP32, tp * d, hardware)
+    return traffic
+
+
 def predict_step_time(config: Config, schedule: str, state: StateBytes, hardware: Hardware) -> StepTime:
     """The roofline of one step for a rank of the busiest stage (`state`: its parameters and gradients)."""
     m, p, t = config.model, config.parallel, config.training
@@ -89,16 +128,7 @@ def predict_step_time(config: Config, schedule: str, state: StateBytes, hardware
     context_parallel = (layers * micro * 3 * (cp - 1) * kv_bytes / _bandwidth(hardware, tp * cp)) if cp > 1 else 0.0
     stream = tokens // tp if p.sequence_parallel else tokens
     pipeline = (2 * micro * v * stream * m.hidden_size * e / _bandwidth(hardware, tp * cp * dp + 1)) if pp > 1 else 0.0
-    d = dp * cp
-    share = (d - 1) / d
-    stage = zero_stage_of(config)
-    if stage.shards_optimizer_state:
-        reductions = micro if stage.shards_grads else 1
-        gathers = 2 * micro if stage.shards_params else 1
-        dp_bytes = share * state.numel * (reductions * FP32 + gathers * e)
-    else:
-        dp_bytes = 2 * share * state.numel * FP32
-    data_parallel = dp_bytes / _bandwidth(hardware, tp * d) if d > 1 else 0.0
+    data_parallel = data_parallel_bytes(config, state, hardware).seconds(hardware)
     expert_parallel = 0.0
     if ep > 1:
         moe_here = len(moe_layer_numbers(m)) / pp
