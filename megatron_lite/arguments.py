@@ -46,6 +46,8 @@ _CHOICES = {
     "device": ["auto", "cuda", "cpu"],
     "tokenizer_type": ["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
     "rerun_mode": ["disabled", "validate_results", "report_stats"],
+    "fp8_format": ["e4m3", "hybrid"],
+    "fp8_recipe": ["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"],
 }
 _DERIVED = {"data_parallel_size"}
 # Flags that take a fixed number of values, by the name of each value.

@@ -124,6 +124,25 @@ class ModelConfig:
     """inner width of a shared expert that every token runs beside its routed experts; unset: none"""
     moe_shared_expert_gate: bool = False
     """the shared expert's output scaled by sigmoid(x w_gate), as Qwen2-MoE"""
+    # FP8 GEMMs in the transformer layers' linears (model/fp8.py)
+    fp8_format: str | None = None
+    """FP8 GEMMs (forward, dgrad, wgrad) in every column- and row-parallel linear of the transformer layers: e4m3
+    quantizes everything to e4m3, hybrid the output gradients to e5m2 and the rest to e4m3; unset: no FP8. The
+    embedding, output layer, norms, attention core, router and MoE experts stay in the activation dtype"""
+    fp8_recipe: str = "tensorwise"
+    """with --fp8-format: how scales are taken, from the operands' current values: tensorwise one per tensor
+    (Transformer Engine's current scaling), rowwise one per row along each GEMM's contraction (torchao's);
+    Megatron's delayed, mxfp8, blockwise and custom are not built (Megatron's default is delayed)"""
+    fp8_margin: int = 0
+    """with --fp8-format: scales are 2^margin below the one that maps an operand's amax to the format's largest
+    value"""
+    first_last_layers_bf16: bool = False
+    """with --fp8-format: keep the first --num-layers-at-start-in-bf16 and the last --num-layers-at-end-in-bf16
+    layers of the model out of FP8 (in the activation dtype)"""
+    num_layers_at_start_in_bf16: int = 1
+    """with --first-last-layers-bf16: layers at the start of the model kept out of FP8"""
+    num_layers_at_end_in_bf16: int = 1
+    """with --first-last-layers-bf16: layers at the end of the model kept out of FP8"""
     # Execution choices that change no numbers
     recompute_granularity: str | None = None
     """activation recomputation: full recomputes whole layers in backward (see --recompute-method), selective only the

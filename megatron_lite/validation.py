@@ -27,7 +27,8 @@ def validate(config: Config, world_size: int) -> None:
     problems = _value_problems(config)
     if not problems:  # the checks below divide by sizes that must first be known to be positive
         problems = (_layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
-                    + _schedule_problems(config) + _profile_problems(config, world_size))
+                    + _schedule_problems(config) + _profile_problems(config, world_size)
+                    + _fp8_problems(config))
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -567,4 +568,27 @@ def _profile_problems(config: Config, world_size: int) -> list[str]:
     outside = [rank for rank in log.profile_ranks if not 0 <= rank < world_size]
     if outside:
         problems.append(f"profile-ranks {outside} are not ranks of this run (world size {world_size})")
+    return problems
+
+
+def _fp8_problems(config: Config) -> list[str]:
+    """FP8 (model/fp8.py): a recipe that is built, a precision it composes with, bf16 layer counts that fit."""
+    m = config.model
+    if m.fp8_format is None:
+        return ["--first-last-layers-bf16 needs --fp8-format e4m3 or hybrid"] if m.first_last_layers_bf16 else []
+    from megatron_lite.model.fp8 import BUILT_RECIPES  # the model's module (torch): only when FP8 is asked for
+    problems = []
+    if m.fp8_recipe not in BUILT_RECIPES:
+        problems.append(f"--fp8-recipe {m.fp8_recipe} is not built; use {' or '.join(BUILT_RECIPES)}")
+    if config.optimizer.fp16:
+        problems.append("--fp8-format does not go with --fp16 (fp16 activations and loss scaling around FP8 GEMMs "
+                        "are not built); use --bf16")
+    if m.fp8_margin < 0:
+        problems.append(f"--fp8-margin ({m.fp8_margin}) must be 0 or more")
+    if m.first_last_layers_bf16:
+        for flag in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            value = getattr(m, flag)
+            if not 0 <= value <= m.num_layers:
+                problems.append(f"--{flag.replace('_', '-')} ({value}) must be between 0 and num-layers "
+                                f"({m.num_layers})")
     return problems

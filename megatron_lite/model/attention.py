@@ -34,6 +34,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.context_parallel import context_parallel_attention
+from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.random import RNGTracker, checkpoint
@@ -298,10 +299,11 @@ class HeadNorm(torch.nn.Module):
 
 class SelfAttention(torch.nn.Module):
     """QKV projection (column-parallel) -> per-head q/k norms (--qk-layernorm) -> RoPE -> core attention ->
-    output projection (row-parallel)."""
+    output projection (row-parallel). `fp8`: both projections' GEMMs in FP8; the core attention is not."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool,
-                 backend: str, rng_tracker: RNGTracker | None, cp_comm_type: str = "p2p"):
+                 backend: str, rng_tracker: RNGTracker | None, cp_comm_type: str = "p2p",
+                 fp8: FP8Recipe | None = None):
         super().__init__()
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_groups = config.num_query_groups // pstate.tp_size
@@ -309,7 +311,7 @@ class SelfAttention(torch.nn.Module):
         bias = not config.disable_bias_linear
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, pstate, bias=bias or config.add_qkv_bias,
-                                               sequence_parallel=sequence_parallel)
+                                               sequence_parallel=sequence_parallel, fp8=fp8)
         if config.qk_layernorm:
             self.q_layernorm, self.k_layernorm = HeadNorm(config, pstate.tp_size), HeadNorm(config, pstate.tp_size)
         else:
@@ -317,7 +319,7 @@ class SelfAttention(torch.nn.Module):
         self.core_attention = CoreAttention(config.attention_dropout, backend, rng_tracker, pstate.group("cp"),
                                             (pstate.group("cp_a2a"), pstate.group("cp_p2p")), cp_comm_type)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                             pstate, bias=bias, sequence_parallel=sequence_parallel)
+                                             pstate, bias=bias, sequence_parallel=sequence_parallel, fp8=fp8)
         self.recompute_core_attention = config.recompute_granularity == "selective"
 
     def forward(self, x: torch.Tensor, positions: Positions | None, kv_cache=None) -> torch.Tensor:

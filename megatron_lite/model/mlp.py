@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.state import ParallelState
 
@@ -19,18 +20,20 @@ def activation(config: ModelConfig, x: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(torch.nn.Module):
-    """h -> ffn -> h. With SwiGLU, fc1 produces [gate; up] (2 x ffn); each TP rank holds its slice of both."""
+    """h -> ffn -> h. With SwiGLU, fc1 produces [gate; up] (2 x ffn); each TP rank holds its slice of both. `fp8`:
+    both linears' GEMMs in FP8."""
 
-    def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool):
+    def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool,
+                 fp8: FP8Recipe | None = None):
         super().__init__()
         self.config = config
         ffn = config.ffn_hidden_size
         bias = not config.disable_bias_linear
         chunks = 2 if config.swiglu else 1
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, chunks * ffn, pstate, bias=bias,
-                                               sequence_parallel=sequence_parallel, tp_chunks=chunks)
+                                               sequence_parallel=sequence_parallel, tp_chunks=chunks, fp8=fp8)
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, pstate, bias=bias,
-                                            sequence_parallel=sequence_parallel)
+                                            sequence_parallel=sequence_parallel, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(activation(self.config, self.linear_fc1(x)))

@@ -8,6 +8,9 @@ the sequence: the column layer all-gathers its input and the row layer reduce-sc
 instead, the same bytes as the all-reduce but with activations and norms 1/tp the size.
 
 Activations are [s, b, h] (sequence first, as in Megatron); with sequence parallelism [s/tp, b, h].
+
+Given an `fp8` recipe (model/fp8.py), a column- or row-parallel linear runs its three GEMMs in FP8 with scales
+maxed over the groups that split each GEMM dimension, so that they equal one process's.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_lite.model.fp8 import FP8Recipe, column_parallel_splits, fp8_linear, row_parallel_splits
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
@@ -32,11 +36,12 @@ class ColumnParallelLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, pstate: ParallelState, *, bias: bool,
                  sequence_parallel: bool = False, gather_output: bool = False, init: str = "normal",
                  tp_chunks: int = 1, valid_rows: int | None = None, skip_weight_param_allocation: bool = False,
-                 tied_copy: bool = False):
+                 tied_copy: bool = False, fp8: FP8Recipe | None = None):
         super().__init__()
         self.tp_group = pstate.group("tp")
         self.sequence_parallel = sequence_parallel
         self.gather_output = gather_output
+        self.fp8, self.fp8_splits = fp8, column_parallel_splits(pstate)
         spec = ShardSpec((out_features, in_features), tp_dim=0, tp_chunks=tp_chunks, init=init, valid_rows=valid_rows,
                          tied_copy=tied_copy)
         self.weight = None if skip_weight_param_allocation else new_parameter(spec, pstate.tp_size)
@@ -48,7 +53,11 @@ class ColumnParallelLinear(torch.nn.Module):
             x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp,b,h] -> [s,b,h]
         else:
             x = mappings.copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight if weight is None else weight, self.bias)  # [s, b, out/tp]
+        weight = self.weight if weight is None else weight
+        if self.fp8 is None:
+            y = F.linear(x, weight, self.bias)  # [s, b, out/tp]
+        else:
+            y = fp8_linear(x, weight, self.bias, self.fp8, self.fp8_splits)
         if self.gather_output:
             y = mappings.gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -62,16 +71,20 @@ class RowParallelLinear(torch.nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, pstate: ParallelState, *, bias: bool,
-                 sequence_parallel: bool = False, init: str = "scaled_normal"):
+                 sequence_parallel: bool = False, init: str = "scaled_normal", fp8: FP8Recipe | None = None):
         super().__init__()
         self.tp_group = pstate.group("tp")
         self.sequence_parallel = sequence_parallel
+        self.fp8, self.fp8_splits = fp8, row_parallel_splits(pstate)
         self.weight = new_parameter(ShardSpec((out_features, in_features), tp_dim=1, init=init), pstate.tp_size)
         self.bias = (new_parameter(ShardSpec((out_features,), init="zeros", sequence_parallel=sequence_parallel),
                                    pstate.tp_size) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [s, b, out] partial sum over TP ranks
+        if self.fp8 is None:
+            y = F.linear(x, self.weight)  # [s, b, out] partial sum over TP ranks
+        else:
+            y = fp8_linear(x, self.weight, None, self.fp8, self.fp8_splits)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # -> [s/tp, b, out]
         else:

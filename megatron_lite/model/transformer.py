@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention import SelfAttention
+from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.mlp import MLP
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel.random import RNGTracker, checkpoint
@@ -57,6 +58,9 @@ class HiddenDropout(torch.nn.Module):
 class TransformerLayer(torch.nn.Module):
     """x + attention(norm(x)), then + mlp(norm(x)). `layer_number` is the global index (0-based).
 
+    With --fp8-format the linears of attention and of a dense MLP compute in FP8 (model/fp8.py), unless
+    --first-last-layers-bf16 keeps this layer out; an MoE layer's experts, shared experts and router do not.
+
     With --torch-compile, residual_blocks runs as a torch.compile graph. Every layer compiles the same code
     with the same guards, so dynamo compiles the dense layer once and every other dense layer reuses that
     graph (MoE layers share a second set). What cannot be traced, or is not compiled right by every torch we
@@ -76,12 +80,13 @@ class TransformerLayer(torch.nn.Module):
                  mlp: torch.nn.Module | None = None, cp_comm_type: str = "p2p"):
         super().__init__()
         self.layer_number = layer_number
+        fp8 = FP8Recipe.for_layer(config, layer_number)
         self.input_layernorm = Norm(config, sequence_parallel)
         self.self_attention = SelfAttention(config, pstate, sequence_parallel=sequence_parallel,
                                             backend=attention_backend, rng_tracker=rng_tracker,
-                                            cp_comm_type=cp_comm_type)
+                                            cp_comm_type=cp_comm_type, fp8=fp8)
         self.pre_mlp_layernorm = Norm(config, sequence_parallel)
-        self.mlp = mlp if mlp is not None else MLP(config, pstate, sequence_parallel=sequence_parallel)
+        self.mlp = mlp if mlp is not None else MLP(config, pstate, sequence_parallel=sequence_parallel, fp8=fp8)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
         self.compiled_residual_blocks = (torch.compile(self.residual_blocks, options={"fallback_random": True})
                                          if config.torch_compile else None)

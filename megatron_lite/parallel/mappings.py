@@ -38,6 +38,14 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     return tensor
 
 
+def amax_over_groups(amax: torch.Tensor, groups: tuple) -> torch.Tensor:
+    """In place: the max of `amax` over every rank of each group in `groups`, the ranks that hold the other parts
+    of the tensor it was taken over; the FP8 scales' amax of the whole logical tensor (model/fp8.py)."""
+    for group in groups:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
 def start_all_reduce(tensor: torch.Tensor, group):
     """Launch an in-place sum over `group` and return its work (wait() before reading `tensor`)."""
     return dist.all_reduce(tensor, group=group, async_op=True)

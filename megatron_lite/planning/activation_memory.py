@@ -38,7 +38,9 @@ backward of the stage's last layer: the loss's tensors of the micro-batch being 
 ZB-H1); a recomputed unit rebuilt; the residual stream's gradient, the MLP's gradients less the activation they
 free (_backward_gradients); on a single stage with tied embeddings the output layer's weight gradient, which waits
 for the embedding's. ZeRO-2/3 add their temporary buffers (_zero_buffers): a bucket's fp32 gradients while it
-fills, and under ZeRO-3 the gathered parameters of the chunk's own unit and of the layer in use.
+fills, and under ZeRO-3 the gathered parameters of the chunk's own unit and of the layer in use. FP8
+(--fp8-format) adds the quantization buffers of its widest GEMM to both peaks (fp8_gemm_bytes); tensorwise FP8
+saves a linear's input in 1 byte where e is counted above, so its saved bytes are an upper bound.
 """
 
 from __future__ import annotations
@@ -220,11 +222,33 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
         # B keeps the graph for W, so the loss's tensors (not W's) stay through B, until the schedule drops
         # the loss as B and the W that follows it end; the logits' gradient is made beside them.
         backward_heads = 1
-    forward_peak = layers_held + waiting * weight_pass + head_live * head_saved + head_transient + zero_forward
+    backward_transient += fp8_gemm_bytes(config)
+    forward_peak = (layers_held + waiting * weight_pass + head_live * head_saved + head_transient + zero_forward
+                    + fp8_gemm_bytes(config))
     backward_peak = (layers_held + waiting * weight_pass + backward_heads * (head_saved + head_transient)
                      + max(backward_transient, weight_pass))
     peak = max(forward_peak, backward_peak)
     return ActivationBytes(per_microbatch, in_flight, round(peak - layers_held - head_live * head_saved), round(peak))
+
+
+def fp8_gemm_bytes(config: Config) -> int:
+    """The buffers of one FP8 linear's GEMMs at their largest (model/fp8.py), 0 without --fp8-format: for the
+    widest operand (a token-by-feature input or gradient, or the weight) its magnitude (e bytes), its fp32 scaled
+    copy and its FP8 values, beside the FP8 copies of the other operands (the gradient's transpose too)."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    if m.fp8_format is None:
+        return 0
+    tokens, _ = _tokens(config)
+    h, d, e = m.hidden_size, m.head_dim, param_bytes(config)
+    # (in, out) features of QKV, the attention projection, fc1 and fc2 on one TP rank
+    linears = [(h, (m.num_attention_heads + 2 * m.num_query_groups) * d // tp), (m.num_attention_heads * d // tp, h),
+               (h, (2 if m.swiglu else 1) * m.ffn_hidden_size // tp), (m.ffn_hidden_size // tp, h)]
+    largest = 0
+    for k, n in linears:
+        operands = [tokens * k, tokens * n, k * n]  # X, dY, W
+        widest = max(operands)
+        largest = max(largest, widest * (e + FP32) + sum(operands) + tokens * n)
+    return largest
 
 
 def _backward_gradients(config: Config) -> int:
