@@ -118,3 +118,14 @@ def test_a_resumed_run_draws_nothing_and_trains_as_the_uninterrupted_one(tmp_pat
     assert counts == []
     assert [(h["lm_loss"], h["grad_norm"]) for h in resumed] == [(h["lm_loss"], h["grad_norm"])
                                                                   for h in uninterrupted[2:]]
+
+
+def test_a_skipped_initialization_leaves_zeros_for_what_no_checkpoint_holds():
+    """The vocabulary padding rows (their number depends on the TP size) are in no checkpoint: a model built to
+    be loaded must hold zeros there, as a fresh draw does, not whatever the allocator returned."""
+    _, _, _, model, _ = build_run({**TP2, "tensor_model_parallel_size": 1}, 1)
+    named = [(name, param) for chunk in model for name, param in chunk.module.named_global_parameters()]
+    assert any(param.abs().sum() > 0 for _, param in named)
+    with sharding.initialization_skipped():
+        sharding.initialize_parameters(named, 1234, 0.02, 2, 0, 1)
+    assert all(not param.any() for _, param in named)

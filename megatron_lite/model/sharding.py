@@ -185,8 +185,10 @@ _SKIP_INITIALIZATION = contextvars.ContextVar("skip_initialization", default=Fal
 
 @contextlib.contextmanager
 def initialization_skipped(skip: bool = True):
-    """Within this scope, `initialize_parameters` leaves parameters as allocated: for a model whose every
-    parameter a checkpoint is about to overwrite (a resume), the draw would be work thrown away."""
+    """Within this scope, `initialize_parameters` only zeroes parameters: for a model whose every parameter a
+    checkpoint is about to overwrite (a resume), the draw would be work thrown away. Zero, not left as
+    allocated: what a checkpoint does not hold (the vocabulary padding rows, whose number depends on the
+    layout) must be zero, as a fresh draw leaves it."""
     token = _SKIP_INITIALIZATION.set(skip)
     try:
         yield
@@ -198,11 +200,13 @@ def initialization_skipped(skip: bool = True):
 def initialize_parameters(named_parameters, seed: int, std: float, num_layers: int, tp_rank: int,
                           tp_size: int) -> None:
     """Set each (global_name, param) to its shard of the layout-independent initial value, computing only
-    the shard's own elements (skipped inside `initialization_skipped`)."""
-    if _SKIP_INITIALIZATION.get():
-        return
+    the shard's own elements (zeroed instead inside `initialization_skipped`)."""
+    skip = _SKIP_INITIALIZATION.get()
     for global_name, param in named_parameters:
-        _initialize(param, param.spec, global_name, seed, std, num_layers, tp_rank, tp_size)
+        if skip:
+            param.zero_()
+        else:
+            _initialize(param, param.spec, global_name, seed, std, num_layers, tp_rank, tp_size)
 
 
 @torch.no_grad()
