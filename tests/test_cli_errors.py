@@ -86,4 +86,4 @@ def test_data_that_lies_fails_on_every_rank_before_training(case, tmp_path):
             "--train-iters", "2", "--device", "cpu", "--metrics-jsonl", str(tmp_path / "metrics.jsonl"), *flags]
     elapsed = fails_on_every_rank_with_one_line(argv, expected)
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
-    assert elapsed < 120, f"took {elapsed:.1f}s"  # torch loads and the model is built before the data is read; loaded machines
+    assert elapsed < 120, f"took {elapsed:.1f}s"  # torch loads and the model is built before the data is read
