@@ -32,7 +32,6 @@ import socket
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megatron_lite.checkpoint.agreement import all_gather
 from megatron_lite.checkpoint.rng_state import rng_states, set_rng_states
@@ -275,7 +274,3 @@ def rank_fingerprint(reports: list[dict], model: list, device: torch.device) -> 
     squares = sum((chunk.grad_buffer_square_sum().double() for chunk in model),
                   torch.zeros((), dtype=torch.float64, device=device))
     return torch.stack([loss.to(device), squares.to(device)])
-
-
-def world_group():
-    return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None

@@ -41,7 +41,6 @@ from megatron_lite.rerun_state_machine import (
     RerunStateMachine,
     Result,
     rank_fingerprint,
-    world_group,
 )
 from megatron_lite.timers import PhaseTimers
 from megatron_lite.validation import ConfigError, schedule_warnings
@@ -339,7 +338,7 @@ def _train(config: Config, pstate: ParallelState, device, model_provider, forwar
     snapshot_problem = memory_snapshots.validation_problem(config, device)
     if snapshot_problem is not None:
         raise ConfigError(snapshot_problem)
-    check_written_locations(config, pstate.rank, pstate.layout.world_size, world_group())
+    check_written_locations(config, pstate.rank, pstate.layout.world_size, lifecycle.world_group())
     set_vocab_size_from_tokenizer(config)
     datasets = build_datasets(config)  # first: a broken corpus fails before any compute
     c = config.checkpoint
@@ -371,7 +370,7 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
     timers = PhaseTimers(device)
     train_iterator = ReplayableIterator(timers.timed_iterator(
         build_data_iterator(train_ds, config, pstate, consumed_samples) if resume.iteration < t.train_iters else None))
-    rerun = RerunStateMachine(config, pstate.rank, world_group())
+    rerun = RerunStateMachine(config, pstate.rank, lifecycle.world_group())
     evaluations_done = resume.iteration // t.eval_interval
     valid_consumed = evaluations_done * t.eval_iters * t.global_batch_size
     valid_iterator = (build_data_iterator(valid_ds, config, pstate, valid_consumed)

@@ -130,6 +130,12 @@ def as_peer_lost_error(error: BaseException) -> PeerLostError | None:
     return PeerLostError(f"another rank died during a collective ({lost.group(0)})")
 
 
+def world_group() -> dist.ProcessGroup | None:
+    """The default group when this process has joined one of more than one rank, else None (no collective
+    needed)."""
+    return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
 def shutdown(owns_default_group: bool) -> None:
     """Release outstanding work handles and destroy the process groups this run created.
 
