@@ -48,6 +48,11 @@ _CHOICES = {
     "rerun_mode": ["disabled", "validate_results", "report_stats"],
     "fp8_format": ["e4m3", "hybrid"],
     "fp8_recipe": ["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"],
+    "optimizer": ["adam", "muon"],
+    "muon_scale_mode": ["spectral", "unit_rms_norm", "shape_scaling"],
+    "muon_coefficient_type": ["simple", "quintic", "polar_express", "aol"],
+    "muon_tp_mode": ["duplicated", "distributed", "blockwise"],
+    "muon_scalar_optimizer": ["adam", "lion"],
 }
 _DERIVED = {"data_parallel_size"}
 # Flags that take a fixed number of values, by the name of each value.

@@ -293,6 +293,26 @@ class OptimizerConfig:
     optimizer_offload_fraction: float = 1.0
     """with --optimizer-cpu-offload: the share of this rank's optimizer state held and stepped on the host, in
     [0, 1] (whole parameters or distributed-optimizer shards, the leading ones nearest this share)"""
+    optimizer: str = "adam"
+    """adam (AdamW), or muon: Newton-Schulz-orthogonalised momentum for hidden matrices, AdamW for the rest"""
+    muon_momentum: float = 0.9
+    """Muon's momentum (an exponential moving average of the gradients)"""
+    muon_nesterov: bool = False
+    """Muon steps along the Nesterov look-ahead of its momentum"""
+    muon_scale_mode: str = "spectral"
+    """Muon's update scale of an [out, in] matrix: spectral, unit_rms_norm or shape_scaling (optim/muon.py)"""
+    muon_num_ns_steps: int = 5
+    """Newton-Schulz iterations per Muon step"""
+    muon_coefficient_type: str = "quintic"
+    """Newton-Schulz coefficients: simple (Jordan's 3.4445, -4.7750, 2.0315), quintic, polar_express, aol"""
+    muon_tp_mode: str = "duplicated"
+    """a TP-split matrix orthogonalised whole (duplicated: gathered; distributed) or per shard (blockwise)"""
+    muon_extra_scale_factor: float = 1.0
+    """a further factor on Muon's update (0.2 with spectral matches AdamW's update RMS, as in Moonlight)"""
+    muon_scalar_optimizer: str = "adam"
+    """the optimizer of the parameters Muon does not step (embeddings, output layer, router, norms, biases)"""
+    muon_no_split_qkv: bool = False
+    """orthogonalise the fused QKV weight as one matrix, not its query, key and value parts apart"""
 
 
 @dataclass

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_lite.errors import UserError
+from megatron_lite.optim.muon_validation import muon_problems
 from megatron_lite.pipeline.layer_split import pipeline_stage_layers
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ class ConfigError(UserError, ValueError):
 
 def validate(config: Config, world_size: int) -> None:
     """Check everything that can be checked before a process group exists; raise one ConfigError."""
-    problems = _value_problems(config)
+    problems = _value_problems(config) + muon_problems(config)
     if not problems:  # the checks below divide by sizes that must first be known to be positive
         problems = (_layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
                     + _schedule_problems(config) + _profile_problems(config, world_size)

@@ -314,6 +314,7 @@ class Checkpointer:
         pieces = model_sharded_state_dict(model, self.pstate)
         optimizer_state = None
         if optimizer is not None and not (c.no_load_optim or c.finetune):
+            _refuse_another_optimizer(path, saved, self.config.optimizer.optimizer)
             optimizer_state = optimizer.sharded_state_dict()
             pieces += to_boxes(optimizer_state, self.pstate)[0]
         rng = None
@@ -375,6 +376,15 @@ class Checkpointer:
     def _log(self, message: str) -> None:
         if self.is_coordinator:
             print(message, flush=True)
+
+
+def _refuse_another_optimizer(path: str, saved: dict, running: str) -> None:
+    """A checkpoint's optimizer state is its --optimizer's (Adam's moments, Muon's momentum): another optimizer
+    starts from the weights alone, which --no-load-optim says (every rank reads the same metadata.json)."""
+    stored = saved.get("config", {}).get("optimizer", {}).get("optimizer", "adam")
+    if stored != running:
+        raise CheckpointError(f"cannot load {path}: its optimizer state is --optimizer {stored}'s and this run "
+                              f"has --optimizer {running}; pass --no-load-optim to start {running} from its weights")
 
 
 def _records_of_own_files(directory_path: str, names: list[str]) -> tuple[dict, str | None]:

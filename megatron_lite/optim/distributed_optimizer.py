@@ -75,8 +75,13 @@ class DistributedOptimizer(Optimizer):
 
 
 def build_optimizer(config: Config, model_chunks: list[DistributedDataParallel], pstate: ParallelState) -> Optimizer:
-    """The optimizer for the run's data-parallel sharding strategy."""
-    if not ZeroStage(config.parallel.data_parallel_sharding_strategy).shards_optimizer_state:
+    """The optimizer (--optimizer) for the run's data-parallel sharding strategy."""
+    sharded = ZeroStage(config.parallel.data_parallel_sharding_strategy).shards_optimizer_state
+    if config.optimizer.optimizer == "muon":
+        from megatron_lite.optim.muon_optimizer import build_muon_optimizer  # it builds on the classes above
+
+        return build_muon_optimizer(config, model_chunks, pstate, sharded)
+    if not sharded:
         named = [(name, p) for chunk in model_chunks for name, p in chunk.module.named_global_parameters()
                  if p.requires_grad]
         return Optimizer(named, config.optimizer, pstate)

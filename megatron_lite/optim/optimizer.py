@@ -59,18 +59,23 @@ def _whole(param: torch.nn.Parameter) -> OwnedRange:
     return OwnedRange(param, 0, param.numel(), param.main_grad.view(-1), param.detach().view(-1))
 
 
-def build_adamw(part: DeviceMasters | HostMasters, config: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW over `part`'s masters, its state allocated now (memory and checkpoints see it from the start).
-    Weight decay is skipped for 1-D parameters (norms, biases); wd_mult, as in Megatron, is the share of the
-    scheduled weight decay a group takes."""
-    decay = [m for r, m in zip(part.ranges, part.masters) if r.param.ndim > 1]
-    no_decay = [m for r, m in zip(part.ranges, part.masters) if r.param.ndim <= 1]
+def build_adamw(part: DeviceMasters | HostMasters, config: OptimizerConfig,
+                stepped=None) -> torch.optim.AdamW | None:
+    """AdamW over `part`'s masters (those of the ranges `stepped(range)` accepts, if given; None when that is
+    none), its state allocated now (memory and checkpoints see it from the start). Weight decay is skipped for
+    1-D parameters (norms, biases); wd_mult, as in Megatron, is the share of the scheduled weight decay a group
+    takes."""
+    members = [(r, m) for r, m in zip(part.ranges, part.masters) if stepped is None or stepped(r)]
+    decay = [m for r, m in members if r.param.ndim > 1]
+    no_decay = [m for r, m in members if r.param.ndim <= 1]
+    if not members:
+        return None
     groups = [{"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
               {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
     adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
                              betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                              fused=part.fused_adam or None)
-    for master in part.masters:
+    for master in decay + no_decay:
         step = torch.zeros((), dtype=torch.float32, device=master.device if part.fused_adam else "cpu")
         adam.state[master] = {"step": step, "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
     return adam
@@ -95,7 +100,7 @@ class Optimizer:
         self.host_masters = HostMasters(self.ranges[:offloaded]) if offloaded else None
         self.device_masters = DeviceMasters(self.ranges[offloaded:])
         self.parts = [part for part in (self.host_masters, self.device_masters) if part is not None and part.ranges]
-        self.adams = [build_adamw(part, config) for part in self.parts]
+        self.adams = [build_adamw(part, config, self._steps_with_adam) for part in self.parts]
         self.grad_scaler = build_grad_scaler(config)
 
     # -- what a subclass changes ----------------------------------------------------------------------
@@ -109,6 +114,13 @@ class Optimizer:
     def _sync_params(self) -> None:
         """Make the updated values visible to the model everywhere (nothing to do without sharding)."""
 
+    def _steps_with_adam(self, owned: OwnedRange) -> bool:
+        """Whether AdamW steps this range (all of them here; Muon keeps the hidden matrices)."""
+        return True
+
+    def _step_other_ranges(self, lr: float, weight_decay: float | None) -> None:
+        """Step the ranges AdamW does not, with the masters' gradients clipped (none here)."""
+
     # -- the step -------------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
@@ -119,10 +131,11 @@ class Optimizer:
         return [r.grad for r in self.ranges]
 
     def _states(self):
-        """(owned range, its fp32 master, its Adam state) for every range this rank steps."""
+        """(owned range, its fp32 master, its Adam state) for every range AdamW steps on this rank."""
         for part, adam in zip(self.parts, self.adams):
             for owned, master in zip(part.ranges, part.masters):
-                yield owned, master, adam.state[master]
+                if adam is not None and master in adam.state:
+                    yield owned, master, adam.state[master]
 
     def grad_norm(self) -> torch.Tensor:
         device = self.ranges[0].grad.device if self.ranges else "cpu"
@@ -154,6 +167,8 @@ class Optimizer:
         if clip < 1.0 and self.ranges:
             torch._foreach_mul_(self._grads(), clip)
         for part, adam in zip(self.parts, self.adams):
+            if adam is None:
+                continue
             for master, grad in zip(part.masters, part.grads_for_step()):
                 master.grad = grad
             for group in adam.param_groups:
@@ -163,6 +178,7 @@ class Optimizer:
             adam.step()
             for master in part.masters:
                 master.grad = None
+        self._step_other_ranges(lr, weight_decay)
         self._copy_masters_to_model()
         self._sync_params()
         return True
@@ -176,11 +192,16 @@ class Optimizer:
         for part in self.parts:
             part.copy_to_model()
 
+    def _masters(self):
+        """(owned range, its fp32 master) for every range this rank steps."""
+        for part in self.parts:
+            yield from zip(part.ranges, part.masters)
+
     @torch.no_grad()
     def reload_model_params(self, only_fp32: bool = False) -> None:
         """Set the masters from the model's current weights (after loading weights without optimizer state);
         `only_fp32`: only those of fp32 weights, which checkpoints hold as the weights themselves."""
-        for owned, master, _ in self._states():
+        for owned, master in self._masters():
             if master is not owned.model_data and (owned.model_data.dtype == torch.float32 or not only_fp32):
                 master.copy_(owned.model_data)
 
@@ -233,6 +254,7 @@ class Optimizer:
         return {**self._footprint(self.host_masters), **self.host_masters.buffer_bytes()}
 
     def _footprint(self, part: DeviceMasters | HostMasters) -> dict[str, int]:
-        adam = self.adams[self.parts.index(part)].state if part in self.parts else {}
-        moments = [adam[m][k] for m in part.masters for k in ("exp_avg", "exp_avg_sq")]
+        adam = self.adams[self.parts.index(part)] if part in self.parts else None
+        adam = {} if adam is None else adam.state
+        moments = [adam[m][k] for m in part.masters if m in adam for k in ("exp_avg", "exp_avg_sq")]
         return {"master": storage_bytes(part.footprint()), "moments": storage_bytes(moments)}

@@ -88,6 +88,17 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group, asy
     return scatter(output, tensor, group=group, async_op=async_op)
 
 
+def gather_to(tensor: torch.Tensor, gathered: list[torch.Tensor] | None, dst: int, group) -> None:
+    """Global rank `dst` receives every rank's `tensor` (equal shapes) into `gathered`, in group-rank order;
+    the other ranks pass None."""
+    dist.gather(tensor, gathered, dst=dst, group=group)
+
+
+def scatter_from(output: torch.Tensor, pieces: list[torch.Tensor] | None, src: int, group) -> None:
+    """Every rank receives into `output` its piece of global rank `src`'s `pieces` (None elsewhere)."""
+    dist.scatter(output, pieces, src=src, group=group)
+
+
 def all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0."""
     if group is None:
