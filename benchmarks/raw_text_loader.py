@@ -75,7 +75,7 @@ def loader_rate(path: str, spec: TokenizerSpec, tokens_in_corpus: int) -> float:
     dataset = RawTextDataset([(path, list_chunks(path, 2**20))], None, samples, SEQ_LENGTH, 1234, "text", spec,
                              workers=1, skip_bad_records=0)
     start = time.perf_counter()
-    delivered = sum(len(sample) - 1 for _, sample, _ in dataset.samples(0))
+    delivered = sum(len(sample) - 1 for _, sample in dataset.samples(0))
     return delivered / (time.perf_counter() - start)
 
 

@@ -247,6 +247,8 @@ def format_line(r: dict, train_iters: int) -> str:
              f"tokens/s {r['tokens_per_sec']:,.0f}", f"TFLOP/s/device {r['tflops_per_device']:.2f}"]
     if "mfu" in r:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if "loader_tokens_per_sec" in r:  # what a raw-text loader can tokenize, against the tokens/s consumed
+        parts.append(f"loader tokens/s {r['loader_tokens_per_sec']:,.0f}")
     if "time_forward_backward_ms" in r:
         parts.append("ms fwd-bwd/reduce/optim/data " + "/".join(
             f"{r[f'time_{phase}_ms']:.0f}" for phase in ("forward_backward", "grad_reduce", "optimizer", "data_wait")))

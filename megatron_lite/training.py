@@ -206,6 +206,14 @@ def _loader_workers(config: Config) -> int:
     return config.data.num_workers if config.data.num_workers is not None else (2 if on_gpu else 0)
 
 
+def _streamed(dataset):
+    """The train dataset when it is a raw-text stream, whose position each checkpoint saves and a resume
+    restores (data/raw_text.py); None for indexed and mock data, whose samples follow from consumed_samples."""
+    from megatron_lite.data import raw_text
+
+    return dataset if isinstance(dataset, raw_text.RawTextDataset) else None
+
+
 def build_data_iterator(dataset, config: Config, pstate: ParallelState, consumed_samples: int):
     """Micro-batches for this data-parallel rank, starting after `consumed_samples`.
 
@@ -367,6 +375,10 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
         model, optimizer = setup_model_and_optimizer(config, pstate, model_provider, device)
     resume = checkpointer.load_checkpoint(model, optimizer) if c.load else ResumeState()
     consumed_samples = resume.consumed_samples
+    streamed = _streamed(train_ds)
+    if streamed is not None:
+        streamed.restore_loader_state(resume.loader_state, consumed_samples)
+    loader_state = streamed.loader_state if streamed is not None else lambda consumed: None  # for each save
     timers = PhaseTimers(device)
     train_iterator = ReplayableIterator(timers.timed_iterator(
         build_data_iterator(train_ds, config, pstate, consumed_samples) if resume.iteration < t.train_iters else None))
@@ -395,6 +407,8 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                 consumed_samples += metrics["global_batch_size"]
                 completed = iteration + 1
                 metrics["consumed_samples"] = consumed_samples
+                if streamed is not None:
+                    metrics["loader_tokens_per_sec"] = streamed.loader_tokens_per_sec()
                 if completed % config.logging.log_interval == 0:
                     metrics.update(moe_metrics(model, pstate, config))  # load balance over the log interval
                     metrics.update(rerun.read_stats())
@@ -407,7 +421,8 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                 if checkpointer is not None:
                     checkpointer.maybe_finalize_async_save(blocking=False)
                 if c.save_interval and completed % c.save_interval == 0:
-                    checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer)
+                    checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer,
+                                                 loader_state(consumed_samples))
                     logger.log_checkpoint(completed)
                     logger.reset_timer()
                 reason = exit_conditions.reason(completed)
@@ -416,7 +431,8 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                         print(f" exiting at iteration {completed}: {reason}", flush=True)
                     break
             if c.save:
-                checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer)
+                checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer,
+                                             loader_state(consumed_samples))
                 logger.log_checkpoint(completed)
     finally:
         logger.close()

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from megatron_lite.arguments import make_config
-from megatron_lite.data import raw_text
 from megatron_lite.errors import DataError
 from megatron_lite.training import build_data_iterator, build_datasets
 from tests.corpora import make_prefix
@@ -88,18 +87,20 @@ def test_samples_are_the_shuffled_documents_tokenized_and_packed(corpus):
     np.testing.assert_array_equal(got, np.stack(samples_of(stream, 96)))
 
 
-def test_gzip_parquet_and_saved_datasets_give_the_same_documents(corpus, tmp_path):
+def test_gzip_zstd_parquet_and_saved_datasets_give_the_same_documents(corpus, tmp_path):
     """One chunk each (a compressed file is read whole, the Parquet file is one row group, 60 rows < 1024)."""
     import datasets
+    import zstandard
 
     _, documents = corpus
     write_documents(tmp_path / "a.jsonl.gz", documents, opener=gzip.open)
+    write_documents(tmp_path / "a.jsonl.zst", documents, opener=zstandard.open)
     texts = {"text": [" ".join(map(str, d)) for d in documents]}
     datasets.Dataset.from_dict(texts).to_parquet(str(tmp_path / "a.parquet"))
     datasets.Dataset.from_dict(texts).save_to_disk(str(tmp_path / "saved"))
     order = np.random.RandomState([SEED, 0, 0, 0, 1]).permutation(60)
     stream = np.array([t for d in order for t in documents[d] + [EOD]])
-    for path in ("a.jsonl.gz", "a.parquet", "saved"):
+    for path in ("a.jsonl.gz", "a.jsonl.zst", "a.parquet", "saved"):
         _, (batches,) = read_samples(make_config(values([str(tmp_path / path)], train_iters=2)))
         np.testing.assert_array_equal(np.concatenate(batches), np.stack(samples_of(stream, 16)), err_msg=path)
 
@@ -148,12 +149,12 @@ def test_a_resume_from_the_saved_position_reads_the_next_samples_at_another_dp_s
     iterator = build_data_iterator(dataset, config, pstate, 0)
     for _ in range(5 * 8 // (2 * dp_before)):
         next(iterator)
-    state = raw_text.loader_state(config, 40)
+    state = dataset.loader_state(40)
     assert state is not None
 
     resumed_config = make_config(values([str(folder / "a.jsonl")]))
     resumed_dataset = build_datasets(resumed_config)[0]
-    raw_text.restore_loader_state(resumed_config, json.loads(json.dumps(state)), 40)  # as metadata.json holds it
+    resumed_dataset.restore_loader_state(json.loads(json.dumps(state)), 40)  # as metadata.json holds it
     ranks = []
     for rank in range(dp_after):
         pstate = SimpleNamespace(dp_rank=rank, dp_size=dp_after)
@@ -169,3 +170,18 @@ def test_a_stream_without_a_saved_position_reads_up_to_the_consumed_samples(corp
     _, (single,) = read_samples(config)
     _, (resumed,) = read_samples(make_config(values([str(folder / "a.jsonl")])), consumed=24)
     np.testing.assert_array_equal(np.concatenate(resumed), np.concatenate(single)[24:])
+
+
+def test_a_damaged_saved_position_is_refused_with_one_line(corpus):
+    folder, _ = corpus
+    path = str(folder / "a.jsonl")
+    dataset = build_datasets(make_config(values([path])))[0]
+    good = {"epoch": 0, "chunk": 1, "document": 2, "offset": 3, "bad_records": 0}
+    for state in (["not", "an", "object"],
+                  {"consumed_samples": 40, "sources": [path], "positions": [{**good, "offset": "3"}]},
+                  {"consumed_samples": 40, "sources": [path], "positions": [{**good, "offset": -1}]},
+                  {"consumed_samples": 40, "sources": [path], "positions": [{"epoch": 0}]},
+                  {"consumed_samples": 40, "sources": [path], "positions": [good, good]}):
+        with pytest.raises(DataError, match=r"^the checkpoint's data_loader .*remove 'data_loader' from its "
+                                            r"metadata.json to re-read the stream$"):
+            dataset.restore_loader_state(state, 40)

@@ -1,6 +1,10 @@
 """Training from raw text on bad input: one line (a malformed record naming file and line; a missing, empty or
 keyless source and a tokenizer without an end-of-document token before any model is built)."""
 
+import re
+import sys
+import time
+
 import pytest
 
 import pretrain_gpt
@@ -72,3 +76,38 @@ def test_a_tokenizer_without_an_end_of_document_token_is_refused_before_the_mode
     values = raw_values([corpus], tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
     with pytest.raises(DataError, match="has none of the end-of-document tokens"):
         _train(values, _never_built)
+
+
+def test_the_log_line_reports_what_the_loader_tokenizes_per_second(corpus, monkeypatch, capsys):
+    """A tokenizer made to take 10 ms a document: the loader (the main process, no workers on the CPU) can
+    tokenize at most the longest document's 41 tokens per 10 ms, and at least what training consumed over the
+    run's whole wall time (the loader's time is part of it)."""
+    from megatron_lite.data.tokenizers import NullTokenizer
+
+    tokenize = NullTokenizer.tokenize
+
+    def slow_tokenize(self, text):
+        time.sleep(0.01)
+        return tokenize(self, text)
+
+    monkeypatch.setattr(NullTokenizer, "tokenize", slow_tokenize)
+    start = time.perf_counter()
+    history = _train(raw_values([corpus], train_iters=3, log_interval=1))
+    wall = time.perf_counter() - start
+    consumed = 3 * 8 * 16
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    reported = [float(re.search(r"loader tokens/s ([\d,]+)", line).group(1).replace(",", "")) for line in lines]
+    assert len(reported) == 3
+    assert reported == [round(h["loader_tokens_per_sec"]) for h in history]
+    for rate in reported:
+        assert consumed / wall <= rate <= 41 / 0.01
+
+
+def test_a_zstd_source_without_the_zstandard_package_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    import zstandard
+
+    path = tmp_path / "a.jsonl.zst"
+    write_documents(path, random_documents(10, 0), opener=zstandard.open)
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as when it is not installed: import raises ImportError
+    with pytest.raises(DataError, match=rf"^reading {path} needs the zstandard package: pip install zstandard$"):
+        _train(raw_values([str(path)]), _never_built)

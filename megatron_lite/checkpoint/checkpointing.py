@@ -9,8 +9,9 @@ configuration, versions. The learning rate is a function of the iteration and ne
 optimizer describe what they hold with the FlatShard protocol (optim/distributed_optimizer.py: a flat
 range of a parameter's TP shard, whole for the plain optimizer, 1/d of it under ZeRO), which becomes boxes
 of the global tensors. Every rank writes only the boxes it holds, in parallel; boxes held by several ranks
-(data-parallel replicas, the last stage's copy of tied embeddings) are written once. A raw-text run's
-loader position goes in metadata.json too (data/raw_text.py).
+(data-parallel replicas, the last stage's copy of tied embeddings) are written once. A data loader
+position handed to `save_checkpoint` (a raw-text stream's, data/raw_text.py) goes in metadata.json too, and
+a load returns it in the ResumeState.
 
 Each rank records the size and CRC-32 of the files it wrote; the coordinator commits only when every
 file is there (checkpoint/checksums.py) and stores the records in `metadata.json`. A load verifies them,
@@ -61,7 +62,6 @@ from megatron_lite.checkpoint.rng_state import layout_tag, rng_states, set_rng_s
 from megatron_lite.checkpoint.save_lock import SaveLock, unwritable
 from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config import Config
-from megatron_lite.data import raw_text
 from megatron_lite.model.sharding import FlatShard
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
@@ -97,12 +97,14 @@ def model_sharded_state_dict(model: list, pstate: ParallelState) -> list[Sharded
 
 @dataclasses.dataclass
 class ResumeState:
-    """Where a run continues: the iteration and data position, and generator states to restore once
-    everything that draws at start-up (data loaders) has been built."""
+    """Where a run continues: the iteration and data position (with the loader's own position where its
+    samples do not follow from consumed_samples alone), and generator states to restore once everything
+    that draws at start-up (data loaders) has been built."""
 
     iteration: int = 0
     consumed_samples: int = 0
     rng: dict[str, torch.Tensor] | None = None
+    loader_state: dict | None = None
 
     def restore_rng(self, model: list, device: torch.device) -> None:
         if self.rng is not None:
@@ -167,8 +169,10 @@ class Checkpointer:
     # -----------------------------------------------------------------------------------------------------
     # Save
 
-    def save_checkpoint(self, iteration: int, consumed_samples: int, model: list, optimizer) -> float:
-        """Save after `iteration` completed iterations; returns the seconds training was blocked."""
+    def save_checkpoint(self, iteration: int, consumed_samples: int, model: list, optimizer,
+                        loader_state: dict | None = None) -> float:
+        """Save after `iteration` completed iterations, with the train data loader's position at
+        `consumed_samples` when it has one (JSON values); returns the seconds training was blocked."""
         start = time.perf_counter()
         self.maybe_finalize_async_save(blocking=True)
         if iteration == self.last_saved_iteration:
@@ -191,9 +195,8 @@ class Checkpointer:
                                "vp": self.config.virtual_pipeline_stages},
                     "rng_layout": tag, "config": self.config.to_dict(), "versions": _versions(),
                     "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        loader = raw_text.loader_state(self.config, consumed_samples)
-        if loader is not None:  # where a raw-text stream stands at consumed_samples
-            metadata["data_loader"] = loader
+        if loader_state is not None:
+            metadata["data_loader"] = loader_state
         self.last_saved_iteration = iteration
         if self.executor is None:
             self._write(pieces, root, iteration, metadata)
@@ -340,8 +343,7 @@ class Checkpointer:
         if c.finetune:
             return ResumeState()
         self.last_saved_iteration = iteration
-        raw_text.restore_loader_state(self.config, saved.get("data_loader"), saved["consumed_samples"])
-        return ResumeState(iteration, saved["consumed_samples"], rng)
+        return ResumeState(iteration, saved["consumed_samples"], rng, saved.get("data_loader"))
 
     def _verify_files(self, path: str, records: dict | None, fallback) -> None:
         """Check every file against the size and CRC-32 recorded at save, each rank a share of the bytes;

@@ -7,8 +7,8 @@ dataset_index[i] by Megatron's greedy rule, the one the indexed BlendedDataset u
 Every data-parallel rank reads the whole global stream and keeps the samples the PretrainingSampler gives
 it, a whole step of micro_batch_size x dp samples at a time, so after a global batch of c consumed samples
 the stream stands at sample c on every rank, whatever the layout. The position of every source there is
-saved with the checkpoint (`loader_state`, in metadata.json) and a resume starts from it
-(`restore_loader_state`), at any DP/TP/PP/CP size and under ramp-up. Without a saved position (a validation
+handed to the checkpoint (`RawTextDataset.loader_state`, kept in metadata.json) and a resume starts from
+it (`restore_loader_state`), at any DP/TP/PP/CP size and under ramp-up. Without a saved position (a validation
 stream) the stream is read from the start up to the consumed samples: the same samples, later.
 
 --split cuts each source's chunks at the rounded cumulative shares, as the indexed path cuts documents.
@@ -17,9 +17,8 @@ A blend that mixes raw text with .bin/.idx prefixes is refused: preprocess the r
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import time
-import weakref
 
 import torch.distributed as dist
 
@@ -28,8 +27,6 @@ from megatron_lite.data.builder import SPLIT_NAMES, parse_data_path, parse_split
 from megatron_lite.data.raw_text_sources import check_source, is_raw_text, list_chunks
 from megatron_lite.data.raw_text_stream import Position, SourceStream, TokenizedChunks, TokenizerSpec
 from megatron_lite.errors import DataError
-
-REPORT_INTERVAL_S = 60.0  # how often the loader's tokens/s is logged
 
 
 def _log(message: str) -> None:
@@ -43,7 +40,8 @@ class RawTextDataset:
     def __init__(self, sources: list[tuple[str, list]], weights: list[float] | None, num_samples: int,
                  seq_length: int, seed: int, key: str, tokenizer: TokenizerSpec, workers: int, skip_bad_records: int):
         self.names = [name for name, _ in sources]
-        self.chunk_datasets = [TokenizedChunks(k, chunks, key, seed, tokenizer) for k, (_, chunks) in enumerate(sources)]
+        self.chunk_datasets = [TokenizedChunks(k, chunks, key, seed, tokenizer)
+                               for k, (_, chunks) in enumerate(sources)]
         self.num_samples, self.seq_length = num_samples, seq_length
         self.workers, self.skip_bad_records = workers, skip_bad_records
         self.dataset_index = None
@@ -53,34 +51,66 @@ class RawTextDataset:
             self.dataset_index = build_blending_indices(weights, size)[0]
         self.positions: dict[int, list[Position]] = {}  # consumed samples -> every source's position
         self.resume: tuple[int, list[Position]] | None = None
+        self.streams: list[SourceStream] = []
 
     def __len__(self) -> int:
         return self.num_samples
 
     def samples(self, start: int):
-        """The global samples from `start` on, as (index, tokens)."""
+        """The global samples from `start` on, as (index, tokens); `streams` are the sources' streams."""
         if self.resume is not None and self.resume[0] == start:
             positions, ahead = self.resume[1], 0
         else:
             positions, ahead = [Position() for _ in self.names], start
-        streams = [SourceStream(ds, name, self.seq_length, p, self.workers, self.skip_bad_records, _log)
-                   for ds, name, p in zip(self.chunk_datasets, self.names, positions)]
-        first, last_report = start - ahead, time.perf_counter()
-        for i in range(first, self.num_samples):
-            stream = streams[0 if self.dataset_index is None else int(self.dataset_index[i])]
-            sample = stream.next_sample()
+        self.streams = [SourceStream(ds, name, self.seq_length, p, self.workers, self.skip_bad_records, _log)
+                        for ds, name, p in zip(self.chunk_datasets, self.names, positions)]
+        for i in range(start - ahead, self.num_samples):
+            sample = self.streams[0 if self.dataset_index is None else int(self.dataset_index[i])].next_sample()
             if i >= start:
-                yield i, sample, streams
-            if time.perf_counter() - last_report > REPORT_INTERVAL_S:
-                last_report = time.perf_counter()
-                _log(loader_rate_line(streams, self.workers))
+                yield i, sample
+
+    def loader_tokens_per_sec(self) -> float:
+        """What the loader can tokenize per second: the tokens its workers have read and tokenized so far per
+        second they spent on it, times its worker processes (--num-workers per source; the main process when
+        0), to set against the tokens/s training consumes (every data-parallel rank reads the whole stream)."""
+        tokens = sum(s.tokens for s in self.streams)
+        seconds = sum(s.worker_seconds for s in self.streams)
+        return tokens / seconds * max(self.workers, 1) * len(self.streams) if seconds else 0.0
+
+    def loader_state(self, consumed_samples: int) -> dict | None:
+        """Every source's position at `consumed_samples` (after a step this rank has read), as JSON values for
+        the checkpoint's metadata.json; None when the stream has not stood there."""
+        if consumed_samples not in self.positions:
+            return None
+        return {"consumed_samples": consumed_samples, "sources": self.names,
+                "positions": [dataclasses.asdict(p) for p in self.positions[consumed_samples]]}
+
+    def restore_loader_state(self, state: dict | None, consumed_samples: int) -> None:
+        """Start the stream at `consumed_samples` from the positions a checkpoint's `state` holds; without a
+        state for these sources at that point, the stream is read from its start up to there (and the log
+        says so)."""
+        if state is not None and not isinstance(state, dict):
+            raise DataError(f"the checkpoint's data_loader is {str(state)[:60]}, not an object; remove "
+                            f"'data_loader' from its metadata.json to re-read the stream")
+        if state is None or state.get("consumed_samples") != consumed_samples or state.get("sources") != self.names:
+            if consumed_samples:
+                _log(f" raw text loader: the checkpoint holds no position of {', '.join(self.names)} at "
+                     f"{consumed_samples} samples; reading the stream from its start up to there")
+            return
+        self.resume = (consumed_samples, [_position_of(p) for p in state.get("positions", [])])
+        if len(self.resume[1]) != len(self.names):
+            raise DataError(f"the checkpoint's data_loader holds {len(self.resume[1])} positions for the "
+                            f"{len(self.names)} sources {', '.join(self.names)}; resume with the sources it was "
+                            f"saved with, or remove 'data_loader' from its metadata.json to re-read the stream")
 
 
-def loader_rate_line(streams: list[SourceStream], workers: int) -> str:
-    tokens = sum(s.tokens for s in streams)
-    seconds = sum(s.worker_seconds for s in streams)
-    return (f" raw text loader: {tokens:,} tokens read, {tokens / max(seconds, 1e-9):,.0f} tokens/s per worker "
-            f"({max(workers, 1)} per source)")
+def _position_of(saved) -> Position:
+    fields = [f.name for f in dataclasses.fields(Position)]
+    if not (isinstance(saved, dict) and sorted(saved) == sorted(fields)
+            and all(type(saved[name]) is int and saved[name] >= 0 for name in fields)):
+        raise DataError(f"the checkpoint's data_loader position {str(saved)[:80]} is not {{{', '.join(fields)}}} "
+                        f"of non-negative integers; remove 'data_loader' from its metadata.json to re-read the stream")
+    return Position(**saved)
 
 
 def data_iterator(dataset: RawTextDataset, sampler, collate):
@@ -93,56 +123,16 @@ def data_iterator(dataset: RawTextDataset, sampler, collate):
         if samples is None:
             samples = dataset.samples(start)
         wanted = set(indices)
-        for i, sample, streams in samples:
+        for i, sample in samples:
             if i in wanted:
                 kept.append(sample)
             if i == start + sampler.step - 1:
                 break
-        dataset.positions[start + sampler.step] = [s.position() for s in streams]
+        dataset.positions[start + sampler.step] = [s.position() for s in dataset.streams]
         for old in sorted(dataset.positions)[:-4]:  # a save asks for the latest only
             del dataset.positions[old]
         batch, kept = collate(kept), []
         yield batch
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Which run's dataset a checkpoint belongs to
-
-
-_DATASETS: dict[int, tuple] = {}  # id(config) -> (weak config, weak dataset): the train dataset of a run
-
-
-def register(config, dataset: RawTextDataset) -> None:
-    _DATASETS[id(config)] = (weakref.ref(config), weakref.ref(dataset))
-
-
-def _dataset_of(config) -> RawTextDataset | None:
-    refs = _DATASETS.get(id(config))
-    if refs is None or refs[0]() is not config:
-        return None
-    return refs[1]()
-
-
-def loader_state(config, consumed_samples: int) -> dict | None:
-    """The raw-text train stream's position at `consumed_samples`, for metadata.json; None without one."""
-    dataset = _dataset_of(config)
-    if dataset is None or consumed_samples not in dataset.positions:
-        return None
-    return {"consumed_samples": consumed_samples, "sources": dataset.names,
-            "positions": [vars(p) for p in dataset.positions[consumed_samples]]}
-
-
-def restore_loader_state(config, state: dict | None, consumed_samples: int) -> None:
-    """Start the raw-text train stream of `config`'s run where a checkpoint's `state` says."""
-    dataset = _dataset_of(config)
-    if dataset is None:
-        return
-    if state is None or state.get("consumed_samples") != consumed_samples or state.get("sources") != dataset.names:
-        if consumed_samples:
-            _log(f" raw text loader: the checkpoint holds no position of {', '.join(dataset.names)} at "
-                 f"{consumed_samples} samples; reading the stream from its start up to there")
-        return
-    dataset.resume = (consumed_samples, [Position(**p) for p in state["positions"]])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,14 +157,15 @@ def uses_raw_text(d) -> bool:
         raw = [p for p in paths if is_raw_text(p)]
         if raw and len(raw) < len(paths):
             indexed = next(p for p in paths if not is_raw_text(p))
-            raise DataError(f"{flag} mixes raw text ({raw[0]}) with the indexed prefix {indexed}: a blend is all raw "
-                            f"or all .bin/.idx; preprocess {raw[0]} with tools/preprocess_data.py or give only raw text")
+            raise DataError(f"{flag} mixes raw text ({raw[0]}) with the indexed prefix {indexed}: a blend is all "
+                            f"raw or all .bin/.idx; preprocess {raw[0]} with tools/preprocess_data.py or give only "
+                            f"raw text")
         found = found or bool(raw)
     return found
 
 
 def build_datasets(config, num_samples: tuple[int, int, int], workers: int):
-    """(train, valid, test) RawTextDatasets for the run; the train one is registered for checkpoints."""
+    """(train, valid, test) RawTextDatasets for the run (None for a split that reads no samples)."""
     d, m = config.data, config.model
     chunk_bytes = max(1, int(d.raw_text_chunk_mib * 2**20))
     tokenizer = TokenizerSpec(d.tokenizer_type, d.tokenizer_model, m.vocab_size)
@@ -213,7 +204,5 @@ def build_datasets(config, num_samples: tuple[int, int, int], workers: int):
                                     f"or give the splits their own corpora (--train-data-path, --valid-data-path)")
                 parts.append(chunks[begin:end])
             results.append(make(paths, weights, parts, n))
-    if results[0] is not None:
-        register(config, results[0])
     return tuple(results)
 

@@ -92,7 +92,8 @@ def list_chunks(path: str, chunk_bytes: int) -> list[Chunk]:
         kind = "saved" if is_saved_dataset(file) else _kind_of(file)
         if kind == "jsonl":
             size = os.path.getsize(file)
-            chunks += [Chunk(file, kind, start, min(start + chunk_bytes, size)) for start in range(0, size, chunk_bytes)]
+            chunks += [Chunk(file, kind, start, min(start + chunk_bytes, size))
+                       for start in range(0, size, chunk_bytes)]
         elif kind == "parquet":
             metadata = _parquet_file(file).metadata
             first = 0
