@@ -7,6 +7,8 @@ GPU catches up. On the CPU they cost nothing, so they are counted here instead o
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pretrain_gpt
 from megatron_lite.host_reads import counted_device_reads
@@ -30,3 +32,29 @@ def test_a_training_step_of_four_micro_batches_reads_the_device_once(extra):
         metrics = train_step(pretrain_gpt.forward_step, iter(batches), model, optimizer, config, pstate, 1, device)
     assert counts == ["tolist"], counts
     assert metrics["skipped_iter"] == 0 and metrics["grad_norm"] > 0
+
+
+class _HostValuesToDevice(TorchDispatchMode):
+    """Records each tensor made from host values (torch.tensor([...]) and the like: aten.lift_fresh), which on
+    CUDA is a blocking host-to-device copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.made += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("extra", [{}, {"bf16": True, "use_distributed_optimizer": True}])
+def test_a_training_step_makes_no_tensor_from_host_values(extra):
+    config, pstate, device, model, optimizer = build_run(
+        {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "seq_length": 32, "clip_grad": 1.0,
+         "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": 2, "train_iters": 3, **extra}, 1)
+    iterator = build_data_iterator(build_datasets(config)[0], config, pstate, 0)
+    train_step(pretrain_gpt.forward_step, iterator, model, optimizer, config, pstate, 0, device)
+    batches = [next(iterator) for _ in range(config.num_microbatches)]
+    with _HostValuesToDevice() as recorder:
+        train_step(pretrain_gpt.forward_step, iter(batches), model, optimizer, config, pstate, 1, device)
+    assert recorder.made == 0

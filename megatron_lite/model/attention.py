@@ -60,9 +60,14 @@ class Documents:
         self.device = device
 
     @functools.cached_property
+    def device_ids(self) -> torch.Tensor:
+        """`ids` on `device`, copied once per micro-batch without waiting (the loader pins batches on CUDA)."""
+        return self.ids.to(self.device, non_blocking=True)
+
+    @functools.cached_property
     def attention_mask(self) -> torch.Tensor:
         """[b, 1, s, s] bool, True where query t may attend to key u: the same document and u <= t."""
-        ids = self.ids.to(self.device)
+        ids = self.device_ids
         return (ids.unsqueeze(2) == ids.unsqueeze(1)).tril().unsqueeze(1)
 
     @functools.cached_property
@@ -70,7 +75,7 @@ class Documents:
         """The same mask as FlexAttention's BlockMask: which 128 x 128 tiles are empty, full or partial. On CUDA
         create_block_mask runs compiled, as in torchtitan: run eagerly it builds the [b, 1, s, s] booleans before
         reducing them to tiles."""
-        ids = self.ids.to(self.device)
+        ids = self.device_ids
 
         def same_document_causal(b, h, q_idx, kv_idx):
             return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)

@@ -47,12 +47,11 @@ def global_grad_norm(grads_and_replication: list[tuple[list[torch.Tensor], int]]
     Per-tensor norms come from one fused `_foreach_norm` per list; only their squares are summed in fp64,
     so that a large finite norm cannot overflow into a false inf."""
     squares = torch.zeros(len(grads_and_replication), dtype=torch.float64, device=device)
-    for index, (grads, _) in enumerate(grads_and_replication):
-        if grads:
-            squares[index] = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+    for index, (grads, replication) in enumerate(grads_and_replication):
+        if grads:  # a replica's share, so that the sum over all ranks counts each gradient once
+            squares[index] = torch.stack(torch._foreach_norm(grads)).double().square().sum() / replication
     mappings.all_reduce(squares, pstate.group("world"))
-    replication = torch.tensor([r for _, r in grads_and_replication], dtype=torch.float64, device=device)
-    return (squares / replication).sum().sqrt()
+    return squares.sum().sqrt()
 
 
 def _whole(param: torch.nn.Parameter) -> OwnedRange:
