@@ -405,3 +405,12 @@ def test_bad_moe_configuration_is_one_line_error(values, world_size, message):
         make_config({**BASE, **values}, world_size)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("dtype, capability, fused", [(torch.bfloat16, (9, 0), True), (torch.bfloat16, (10, 0), True),
+                                                      (torch.bfloat16, (8, 0), False), (torch.float32, (9, 0), False),
+                                                      (torch.float16, (9, 0), False)])
+def test_cuda_experts_take_grouped_mm_only_where_its_fused_kernel_runs(dtype, capability, fused):
+    """torch's CUDA _grouped_mm falls back to a host read of the offsets and a loop over groups except for bf16
+    on compute capability 9.0+; there the padded bmm runs instead."""
+    assert moe_experts.cuda_kernel_is_fused(dtype, capability) is fused

@@ -3,9 +3,9 @@
 Each expert keeps its own weights under its global name (`mlp.experts.<e>.linear_fc1.weight`), so
 initialization and checkpoints do not depend on the layout. A forward stacks the local experts' weights
 and multiplies every expert's tokens at once (the stacked copy is made again in backward rather than kept):
-  torch._grouped_mm   where the installed torch has it for the device and dtype (CUDA: bf16 on Hopper and
-                      newer; recent CPU builds: fp32 and bf16) and rows are multiples of 16 bytes; the
-                      group offsets stay on the device: no host read and no padding
+  torch._grouped_mm   where the installed torch has a kernel for the device and dtype (CUDA: the fused one,
+                      bf16 on Hopper and newer; recent CPU builds: fp32 and bf16) and rows are multiples of
+                      16 bytes; the group offsets stay on the device: no host read and no padding
   padded bmm          elsewhere: each expert's rows are placed in a [E_local, longest, in] batch by index
                       ops and multiplied with one torch.bmm; the longest group is read back for each
                       product (forward: two per layer; backward: one per linear), only where the grouped
@@ -30,11 +30,20 @@ from megatron_lite.model.moe_token_dispatcher import segment_ids
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 
 
+def cuda_kernel_is_fused(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    """Whether torch's CUDA _grouped_mm multiplies `dtype` with its fused kernel on a GPU of compute
+    `capability`: bf16 on 9.0 and newer. Elsewhere it falls back to reading the group offsets to the host and
+    looping over the groups, which the padded bmm beats."""
+    return dtype == torch.bfloat16 and capability >= (9, 0)
+
+
 @functools.cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether this torch has torch._grouped_mm for `dtype` on `device_type` (tried once on a tiny input:
-    CPU kernels came later than CUDA's, and CUDA's needs bf16 on compute capability 9.0 or newer)."""
+    """Whether this torch has a torch._grouped_mm kernel worth using for `dtype` on `device_type` (on CUDA the
+    fused one; elsewhere any, tried once on a tiny input: CPU kernels came later than CUDA's)."""
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device_type == "cuda" and not cuda_kernel_is_fused(dtype, torch.cuda.get_device_capability()):
         return False
     try:
         x = torch.zeros(2, 8, device=device_type, dtype=dtype)
