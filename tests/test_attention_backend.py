@@ -42,18 +42,24 @@ def test_sdpa_kernel_name_reports_the_math_fallback():
     assert sdpa_kernel_name(1, 32, 2, 2, 8, torch.float32, "cpu", dropout=0.1) == "_scaled_dot_product_attention_math"
 
 
-@pytest.mark.parametrize("device, dtype, math_allowed", [
-    ("cuda", torch.bfloat16, False), ("cuda", torch.float16, False), ("cuda", torch.float32, True),
-    ("cpu", torch.bfloat16, True),
+FUSED = {"cudnn", "flash", "efficient"}
+
+
+@pytest.mark.parametrize("device, dtype, enabled, kv_heads", [
+    ("cuda", torch.bfloat16, FUSED, 2), ("cuda", torch.float16, FUSED, 2), ("cuda", torch.float32, {"efficient"}, 4),
+    ("cpu", torch.bfloat16, FUSED | {"math"}, 2), ("cpu", torch.float32, FUSED | {"math"}, 2),
 ])
-def test_core_attention_forbids_the_math_fallback_on_cuda_in_half_precision(device, dtype, math_allowed,
-                                                                             monkeypatch):
-    """CoreAttention calls SDPA with its math backend disabled exactly for bf16/fp16 on CUDA (fake CUDA tensors
-    stand in for a GPU; SDPA is replaced by a probe that records whether math was enabled)."""
+def test_core_attention_never_lets_cuda_fall_back_to_math(device, dtype, enabled, kv_heads, monkeypatch):
+    """CoreAttention calls SDPA on CUDA with fused kernels only: in bf16/fp16 any of them with the key/value heads
+    shared (enable_gqa); in fp32 the memory-efficient kernel alone, the only fused one for fp32, which refuses
+    enable_gqa, so K/V come repeated to the query heads. On the CPU SDPA chooses freely. Fake CUDA tensors stand
+    in for a GPU; SDPA is replaced by a probe that records the enabled backends and the key heads it got."""
     seen = []
+    flags = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled, "flash": torch.backends.cuda.flash_sdp_enabled,
+             "efficient": torch.backends.cuda.mem_efficient_sdp_enabled, "math": torch.backends.cuda.math_sdp_enabled}
 
     def probe(q, k, v, **kwargs):
-        seen.append(torch.backends.cuda.math_sdp_enabled())
+        seen.append(({name for name, on in flags.items() if on()}, k.shape[1], v.shape[1]))
         return torch.empty_like(q)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", probe)
@@ -61,8 +67,25 @@ def test_core_attention_forbids_the_math_fallback_on_cuda_in_half_precision(devi
         q = torch.empty(16, 2, 4, 8, device=device, dtype=dtype)
         k = v = torch.empty(16, 2, 2, 8, device=device, dtype=dtype)
     CoreAttention(0.0, "sdpa", rng_tracker=None)(q, k, v)
-    assert seen == [math_allowed]
+    assert seen == [(enabled, kv_heads, kv_heads)]
     assert torch.backends.cuda.math_sdp_enabled()  # restored after the call
+
+
+def test_repeated_key_value_heads_give_grouped_query_attention(monkeypatch):
+    """Query head i attends with key/value head i // (heads / groups) either way: the fp32 CUDA path's repeated
+    K/V against SDPA's enable_gqa, on the CPU."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 16, 8)
+    k, v = torch.randn(2, 3, 16, 8), torch.randn(2, 3, 16, 8)
+    grouped = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    per_head = [F.scaled_dot_product_attention(q[:, i:i + 1], k[:, i // 2:i // 2 + 1], v[:, i // 2:i // 2 + 1],
+                                               is_causal=True) for i in range(6)]
+    monkeypatch.setattr(attention.SdpaPlan, "of", classmethod(lambda cls, device, dtype: cls(None, True)))
+    k_repeated, v_repeated = attention.repeat_kv(q, k, v)
+    assert k_repeated.shape == v_repeated.shape == (2, 6, 16, 8)
+    repeated = F.scaled_dot_product_attention(q, k_repeated, v_repeated, is_causal=True)
+    assert_close_relative(repeated, torch.cat(per_head, dim=1))
+    assert_close_relative(grouped, torch.cat(per_head, dim=1))
 
 
 @needs_cuda

@@ -8,10 +8,11 @@ the group's `nh/ng` query heads, then its key head, then its value head. Tensor 
 groups across ranks, so each rank's contiguous slice of the QKV output holds whole groups and
 attention runs on local heads with no communication; the output projection is row-parallel.
 
-The kernel is torch's scaled_dot_product_attention (SDPA) unless flash-attn is asked for. On CUDA in
-bf16/fp16, SDPA may use only its fused kernels (cuDNN, flash, memory-efficient): its math fallback
-materialises the [b, h, s, s] scores, so a case no fused kernel takes raises instead of silently running
-slower and in far more memory. `sdpa_kernel_name` says which kernel actually runs for given shapes.
+The kernel is torch's scaled_dot_product_attention (SDPA) unless flash-attn is asked for. On CUDA SDPA may
+use only its fused kernels (cuDNN, flash, memory-efficient; in fp32 memory-efficient alone, with K/V repeated
+to the query heads since it refuses enable_gqa): its math fallback materialises the [b, h, s, s] scores, so a
+case no fused kernel takes raises instead of silently running slower and in far more memory (SdpaPlan).
+`sdpa_kernel_name` says which kernel actually runs for given shapes.
 
 Documents in a packed sequence (--reset-attention-mask): a token attends only to earlier tokens of its own
 document. On CUDA that runs through FlexAttention, compiled, with a block mask built from the document ids
@@ -173,13 +174,39 @@ def choose_attention_backend(requested: str, device: torch.device) -> str:
 FUSED_CUDA_KERNELS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
+class SdpaPlan(NamedTuple):
+    """How SDPA is called on a device and dtype: the kernels it may choose from (None: any) and whether the
+    key/value heads are first repeated to the query heads rather than shared through enable_gqa."""
+
+    kernels: list[SDPBackend] | None
+    repeat_kv: bool
+
+    @classmethod
+    def of(cls, device_type: str, dtype: torch.dtype) -> SdpaPlan:
+        """On CUDA only fused kernels, so that a case none takes raises "No available kernel" (torch's warnings
+        say why each declined) instead of running math, which materialises the [b, h, s, s] scores. In bf16 and
+        fp16 cuDNN, flash and memory-efficient take grouped queries; in fp32 only memory-efficient runs, and it
+        refuses enable_gqa, so K/V are repeated for it. Elsewhere (CPU) SDPA chooses freely."""
+        if device_type != "cuda":
+            return cls(None, False)
+        if dtype in (torch.bfloat16, torch.float16):
+            return cls(FUSED_CUDA_KERNELS, False)
+        return cls([SDPBackend.EFFICIENT_ATTENTION], True)
+
+
 def fused_sdpa_only(q: torch.Tensor):
-    """A context in which SDPA may not fall back to math for this bf16/fp16 CUDA query: with no fused kernel
-    for the case it raises "No available kernel" (torch's warnings say why each kernel declined).
-    Elsewhere (CPU, fp32) SDPA chooses freely."""
-    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
-        return sdpa_kernel(FUSED_CUDA_KERNELS)
-    return nullcontext()
+    """The kernel context of SdpaPlan for this query (fused kernels only on CUDA, any elsewhere)."""
+    kernels = SdpaPlan.of(q.device.type, q.dtype).kernels
+    return nullcontext() if kernels is None else sdpa_kernel(kernels)
+
+
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v [b, ng, s, d] -> [b, nh, s, d] where SdpaPlan asks for it: query head i uses key/value head i // (nh / ng),
+    as enable_gqa does."""
+    if not SdpaPlan.of(q.device.type, q.dtype).repeat_kv or k.shape[1] == q.shape[1]:
+        return k, v
+    per_group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
 
 
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
@@ -240,6 +267,7 @@ class CoreAttention(torch.nn.Module):
         rng = self.rng_tracker.fork() if dropout > 0 and self.rng_tracker is not None else nullcontext()
         with rng, fused_sdpa_only(q):
             if documents is None:
+                k, v = repeat_kv(q, k, v)
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True)
             else:
                 out = document_attention(q, k, v, documents, dropout)
