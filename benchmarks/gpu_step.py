@@ -4,18 +4,20 @@ In one run, on one device:
   1. correctness on a tiny Llama: the device's fp32 losses equal the CPU's (relative 1e-5; TF32 off), bf16
      tracks fp32 within bf16 rounding, and (where --torch-compile exists) compiled equals eager;
   2. ours: Llama-3.2-1B shape (16 layers, hidden 2048, ffn 8192, 32 heads / 8 groups, vocab 128256,
-     seq 4096, tied embeddings, bf16, mock data) through `training.pretrain`: tokens/s, TFLOP/s and MFU,
-     peak memory, the forward-backward / gradient-reduction / optimizer split, the attention kernel;
+     seq 4096, tied embeddings, bf16, mock data) through `training.pretrain`, eager and with --torch-compile:
+     tokens/s, TFLOP/s and MFU, peak memory, the forward-backward / gradient-reduction / optimizer split, the
+     attention kernel;
   3. peers: the same model as transformers' `LlamaForCausalLM` (bf16 weights, SDPA, fused AdamW, the same
      micro-batches and clipping), eager and compiled with torch.compile.
 MFU for every entry uses one formula, `logging.training_flops_per_token` (PaLM's 6 N + 12 L h s per token,
 N the matmul weights including the output layer), over the device's dense bf16 peak. Figures are medians
 over the iterations after the warm-up. On a GPU the figures are appended, with date, device and command,
-to benchmarks/results/gpu_step.jsonl; `--tiny` runs every part on a tiny model on the CPU (the test suite
-does, so the script never rots) and only prints.
+to gpu_step.jsonl in the results folder (benchmarks/results/, or $BENCHMARK_RESULTS_DIR: on a borrowed
+machine whose tree does not come back, its output folder); `--tiny` runs every part on a tiny model on the CPU
+(the test suite does, so the script never rots) and only prints.
 
-    python -m benchmarks.gpu_step            # one H200: about 4 minutes
-    python -m benchmarks.gpu_step --tiny     # CPU, seconds
+    BENCHMARK_RESULTS_DIR=$OUT python -m benchmarks.gpu_step   # one H200: about 5 minutes
+    python -m benchmarks.gpu_step --tiny                       # CPU, under a minute
 """
 
 from __future__ import annotations
@@ -61,9 +63,10 @@ def measured(records: list[dict], warmup: int, key: str) -> float:
 
 
 def ours(shape: dict, device: torch.device, *, bf16: bool, micro_batch: int, microbatches: int, iters: int,
-         warmup: int) -> dict:
-    """tokens/s, MFU, peak memory and the phase split of `pretrain()` on `shape`."""
-    config = run_config(shape, device, bf16=bf16, micro_batch=micro_batch, microbatches=microbatches, iters=iters)
+         warmup: int, compiled: bool) -> dict:
+    """tokens/s, MFU, peak memory and the phase split of `pretrain()` on `shape`, eager or with --torch-compile."""
+    config = run_config(shape, device, bf16=bf16, micro_batch=micro_batch, microbatches=microbatches, iters=iters,
+                        torch_compile=compiled)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     records = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
@@ -154,12 +157,15 @@ def relative_gap(a: list[float], b: list[float]) -> float:
 
 
 def correctness(device: torch.device) -> dict:
-    """Tiny Llama, 5 steps: fp32 on `device` vs fp32 on the CPU, bf16 vs fp32 on `device`."""
+    """Tiny Llama, 5 steps: fp32 on `device` vs fp32 on the CPU, bf16 vs fp32 on `device`, and fp32 with
+    --torch-compile vs eager on `device`."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cpu, fp32, bf16 = losses(torch.device("cpu"), False), losses(device, False), losses(device, True)
+    compiled = losses(device, False, torch_compile=True)
     checks = {"fp32_vs_cpu": {"relative_gap": relative_gap(fp32, cpu), "tolerance": 1e-5},
-              "bf16_vs_fp32": {"relative_gap": relative_gap(bf16, fp32), "tolerance": 2e-2}}
+              "bf16_vs_fp32": {"relative_gap": relative_gap(bf16, fp32), "tolerance": 2e-2},
+              "compiled_vs_eager": {"relative_gap": relative_gap(compiled, fp32), "tolerance": 1e-5}}
     for check in checks.values():
         check["passed"] = check["relative_gap"] <= check["tolerance"]
     return checks
@@ -181,12 +187,14 @@ def main(argv: list[str] | None = None) -> dict:
     figures = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "shape": shape, "micro_batch_size": args.micro_batch_size, "microbatches": args.microbatches,
                "correctness": correctness(device)}
-    figures["megatron_lite"] = ours(shape, device, **run)
+    for name, compiled in (("megatron_lite", False), ("megatron_lite_compiled", True)):
+        figures[name] = ours(shape, device, **run, compiled=compiled)
     for name, compiled in (("transformers_eager", False), ("transformers_compiled", True)):
         figures[name] = transformers_peer(shape, device, **run, compiled=compiled)
-    ours_tps = figures["megatron_lite"]["tokens_per_sec"]
-    figures["ratio_vs_transformers_eager"] = ours_tps / figures["transformers_eager"]["tokens_per_sec"]
-    figures["ratio_vs_transformers_compiled"] = ours_tps / figures["transformers_compiled"]["tokens_per_sec"]
+    for ours_name in ("megatron_lite", "megatron_lite_compiled"):
+        for peer in ("transformers_eager", "transformers_compiled"):
+            figures[f"ratio_{ours_name}_vs_{peer}"] = (figures[ours_name]["tokens_per_sec"]
+                                                      / figures[peer]["tokens_per_sec"])
     figures["seconds"] = time.perf_counter() - started
     print(json.dumps(figures, indent=1))
     if not args.tiny:

@@ -1,4 +1,6 @@
-"""Append a benchmark's figures, with the date, machine and command, to benchmarks/results/<name>.jsonl."""
+"""Append a benchmark's figures, with the date, machine and command, to <results folder>/<name>.jsonl: the
+folder $BENCHMARK_RESULTS_DIR names (a borrowed GPU machine's output folder, whose copy of the tree does not
+come back), else benchmarks/results/."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ def machine() -> dict:
 
 
 def record_result(name: str, figures: dict, argv: list[str]) -> str:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"{name}.jsonl")
+    directory = os.environ.get("BENCHMARK_RESULTS_DIR") or RESULTS_DIR
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.jsonl")
     entry = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "machine": machine(), "command": "python -m benchmarks." + " ".join([name, *argv[1:]]), **figures}
     with open(path, "a") as f:
