@@ -1,6 +1,7 @@
 """Training from raw text on bad input: one line (a malformed record naming file and line; a missing, empty or
 keyless source and a tokenizer without an end-of-document token before any model is built)."""
 
+import gzip
 import re
 import sys
 import time
@@ -111,3 +112,21 @@ def test_a_zstd_source_without_the_zstandard_package_is_refused_before_the_model
     monkeypatch.setitem(sys.modules, "zstandard", None)  # as when it is not installed: import raises ImportError
     with pytest.raises(DataError, match=rf"^reading {path} needs the zstandard package: pip install zstandard$"):
         _train(raw_values([str(path)]), _never_built)
+
+
+def test_a_damaged_compressed_source_is_one_line_also_from_a_loader_worker(tmp_path):
+    """A .gz cut short fails only where the reading gets to (past the first record, which is checked before the
+    model is built), in a loader worker with --num-workers 1: still one line naming the file."""
+    documents = random_documents(200, 3)
+    write_documents(tmp_path / "whole.jsonl.gz", documents, opener=gzip.open)
+    data = (tmp_path / "whole.jsonl.gz").read_bytes()
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError) as error:
+        _train(raw_values([str(tmp_path / "cut.jsonl.gz")], num_workers=1))
+    assert re.fullmatch(rf"{tmp_path}/cut.jsonl.gz cannot be decompressed after line \d+ \(Compressed file ended "
+                        r"before the end-of-stream marker was reached\); replace the file with a complete gz file "
+                        r"or leave it out", str(error.value))
+    (tmp_path / "plain.jsonl.zst").write_text('{"text": "1 2 3"}\n')  # named .zst, not compressed
+    with pytest.raises(DataError, match=rf"^{tmp_path}/plain.jsonl.zst cannot be decompressed after line 0 "
+                                        r"\(zstd decompress error: .*\); replace the file with a complete zst file"):
+        _train(raw_values([str(tmp_path / "plain.jsonl.zst")]), _never_built)

@@ -177,10 +177,16 @@ def _jsonl_lines(chunk: Chunk):
                 if line.strip():
                     yield (lambda i=index: f"{chunk.path}:{_lines_before(chunk.path, first_line_start) + i}"), line
         return
-    with _open_compressed(chunk) as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                yield (lambda n=number: f"{chunk.path}:{n}"), line
+    opened, errors = _open_compressed(chunk)
+    number = 0
+    with opened as f:
+        try:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    yield (lambda n=number: f"{chunk.path}:{n}"), line
+        except errors as error:
+            raise DataError(f"{chunk.path} cannot be decompressed after line {number} ({error}); replace the file "
+                            f"with a complete {chunk.kind.removeprefix('jsonl.')} file or leave it out") from None
 
 
 def _lines_before(path: str, offset: int) -> int:
@@ -189,13 +195,15 @@ def _lines_before(path: str, offset: int) -> int:
 
 
 def _open_compressed(chunk: Chunk):
+    """The decompressed file, and the errors its reading raises on a damaged file."""
     if chunk.kind == "jsonl.gz":
-        return gzip.open(chunk.path, "rb")
+        return gzip.open(chunk.path, "rb"), (OSError, EOFError)  # BadGzipFile, or a file cut short
     try:
         import zstandard
     except ImportError:
         raise DataError(f"reading {chunk.path} needs the zstandard package: pip install zstandard") from None
-    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(chunk.path, "rb"), closefd=True))
+    reader = zstandard.ZstdDecompressor().stream_reader(open(chunk.path, "rb"), closefd=True)  # noqa: SIM115
+    return io.BufferedReader(reader), (zstandard.ZstdError, OSError)
 
 
 def _read_table(chunk: Chunk, key: str):

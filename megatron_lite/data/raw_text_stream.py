@@ -65,7 +65,14 @@ class TokenizedChunks(torch.utils.data.Dataset):
         return len(self.chunks)
 
     def __getitem__(self, item: tuple[int, int]) -> dict:
-        epoch, position = item
+        """A DataError comes back as the item's "error": raised in a worker, the DataLoader would re-raise it
+        with the worker's traceback in its message."""
+        try:
+            return self._read(*item)
+        except DataError as error:
+            return {"error": str(error)}
+
+    def _read(self, epoch: int, position: int) -> dict:
         start = time.perf_counter()
         if self._tokenizer is None:
             self._tokenizer = self.tokenizer_spec.build()
@@ -136,6 +143,8 @@ class SourceStream:
         """Append the next chunk's documents (the first chunk's from document `skip_documents` on)."""
         while True:
             chunk = next(self.chunks)
+            if "error" in chunk:
+                raise DataError(chunk["error"])
             self.tokens += chunk["tokens"]
             self.worker_seconds += chunk["seconds"]
             self._count_bad(chunk["bad"])
