@@ -183,3 +183,17 @@ def test_muon_flags_that_cannot_work_are_one_line(values, message):
     with pytest.raises(ConfigError) as error:
         make_config({**TINY_2_LAYERS, **values}, 1)
     assert str(error.value) == message
+
+
+def test_the_planner_counts_one_momentum_buffer_per_muon_element():
+    from megatron_lite.planning.state_memory import stage_state_bytes
+
+    # Per layer the Muon matrices are QKV 128 x 64, proj 64 x 64, fc1 (SwiGLU) 256 x 64, fc2 64 x 128: 36,864
+    # elements, 73,728 in two layers; AdamW steps the embedding and output tables (256 x 64 each) and the five
+    # 64-element norms: 33,088. Muon keeps one fp32 buffer, Adam two; bf16 adds an fp32 master for every element.
+    muon, adam = 73_728, 33_088
+    for bf16, expected in ((False, 4 * muon + 8 * adam), (True, 4 * muon + 8 * adam + 4 * (muon + adam))):
+        values = {**TINY_2_LAYERS, "optimizer": "muon", "bf16": bf16}
+        assert stage_state_bytes(make_config(values, 1), 0).optimizer == expected
+        footprint = build_run(values, 1)[-1].memory_footprint()
+        assert footprint["master"] + footprint["moments"] == expected

@@ -42,6 +42,7 @@ class ParamShape:
     expert: bool = False
     unit: int = -1  # ZeRO-3 gathering unit: the chunk-local layer index, -1 for the rest of the chunk
     isolated: bool = False  # the tied-embedding copy that the first and last stage keep equal
+    muon: bool = False  # a hidden weight matrix, which --optimizer muon steps (optim/muon_optimizer.py)
 
 
 @dataclass
@@ -71,15 +72,20 @@ def zero_stage_of(config: Config) -> ZeroStage:
     return ZeroStage(config.parallel.data_parallel_sharding_strategy)
 
 
+class _NotMuon(int):
+    """The element count of a layer parameter that --optimizer muon leaves to AdamW: a norm, a bias, the router,
+    the shared expert's gate (every other layer parameter is a hidden weight matrix)."""
+
+
 def _linear(out_features: int, in_features: int, bias: bool, tp_dim: int | None, tp: int) -> list[int]:
     """Weight [out, in] (split over TP along tp_dim) and optional bias [out] (split with a column split)."""
     out_local = out_features // tp if tp_dim == 0 else out_features
     in_local = in_features // tp if tp_dim == 1 else in_features
-    return [out_local * in_local] + ([out_local] if bias else [])
+    return [out_local * in_local] + ([_NotMuon(out_local)] if bias else [])
 
 
 def _norm(config: Config, size: int) -> list[int]:
-    return [size, size] if config.model.normalization == "LayerNorm" else [size]
+    return [_NotMuon(size)] * (2 if config.model.normalization == "LayerNorm" else 1)
 
 
 def _layer_params(config: Config, layer_number: int, unit: int) -> list[ParamShape]:
@@ -95,15 +101,17 @@ def _layer_params(config: Config, layer_number: int, unit: int) -> list[ParamSha
     chunks = 2 if m.swiglu else 1
     expert = []
     if m.num_experts and layer_number % m.moe_layer_freq == 0:
-        dense.append(m.num_experts * h)  # the router, replicated
+        dense.append(_NotMuon(m.num_experts * h))  # the router, replicated
         for _ in range(m.num_experts // ep):
             expert += [chunks * m.moe_ffn_hidden_size // tp * h, h * (m.moe_ffn_hidden_size // tp)]
         shared = m.moe_shared_expert_intermediate_size
         if shared:  # split over TP as the dense MLP, no biases; its gate replicated
-            dense += [chunks * shared // tp * h, h * (shared // tp)] + ([h] if m.moe_shared_expert_gate else [])
+            dense += [chunks * shared // tp * h, h * (shared // tp)] + ([_NotMuon(h)] if m.moe_shared_expert_gate
+                                                                       else [])
     else:
         dense += _linear(chunks * m.ffn_hidden_size, h, bias, 0, tp) + _linear(h, m.ffn_hidden_size, bias, 1, tp)
-    return [ParamShape(n, unit=unit) for n in dense] + [ParamShape(n, expert=True, unit=unit) for n in expert]
+    return ([ParamShape(n, unit=unit, muon=not isinstance(n, _NotMuon)) for n in dense]
+            + [ParamShape(n, expert=True, unit=unit, muon=True) for n in expert])
 
 
 def chunk_params(config: Config, chunk: ChunkPlan) -> list[ParamShape]:
@@ -191,9 +199,14 @@ def chunk_buckets(config: Config, chunk: ChunkPlan) -> list[BucketShape]:
 def owned_range_numels(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> list[int]:
     """Elements of each range the optimizer steps for one model chunk, in its order: every parameter whole
     (no_shard), else each bucket's parameters cut to the part inside this rank's shard (empty parts left out)."""
+    return [numel for numel, _ in owned_ranges(config, chunk, dp_rank)]
+
+
+def owned_ranges(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> list[tuple[int, ParamShape]]:
+    """owned_range_numels with the parameter each range belongs to."""
     p = config.parallel
     if not zero_stage_of(config).shards_optimizer_state:
-        return [param.numel for param in chunk_params(config, chunk)]
+        return [(param.numel, param) for param in chunk_params(config, chunk)]
     groups = _group_sizes(config)
     numels = []
     for expert, bucket in _chunk_bucket_params(config, chunk):
@@ -204,7 +217,7 @@ def owned_range_numels(config: Config, chunk: ChunkPlan, dp_rank: int = 0) -> li
         for param in bucket:
             owned = min(shard_start + shard, offset + param.numel) - max(shard_start, offset)
             if owned > 0:
-                numels.append(owned)
+                numels.append((owned, param))
             offset += param.numel
     return numels
 
@@ -245,14 +258,40 @@ def stage_state_bytes(config: Config, pp_rank: int, dp_rank: int = 0, offload_fr
     """Parameters, gradients and optimizer state of a rank of pipeline stage `pp_rank`, all its chunks, with
     the leading owned ranges nearest `offload_fraction` of its optimizer elements held on the host."""
     total = StateBytes()
-    ranges = []
+    ranges, matrices = [], []
     for chunk in model_chunk_plans(config, pp_rank):
         part = chunk_state_bytes(config, chunk, dp_rank)
         for name in ("params", "grads", "numel"):
             setattr(total, name, getattr(total, name) + getattr(part, name))
         ranges += owned_range_numels(config, chunk, dp_rank)
+        matrices += [(n, param) for n, param in owned_ranges(config, chunk, dp_rank) if param.muon]
+    if config.optimizer.optimizer == "muon":
+        total.optimizer = muon_optimizer_bytes(config, sum(ranges), matrices, model_chunk_plans(config, pp_rank))
+        return total
     if offload_fraction:
         total.offloaded = sum(ranges[:offloaded_count(ranges, offload_fraction)])
     total.optimizer = (sum(ranges) - total.offloaded) * _device_optimizer_bytes(config)
     total.optimizer_on_host = total.offloaded * host_optimizer_bytes(config)
     return total
+
+def muon_optimizer_bytes(config: Config, stepped: int, matrices: list[tuple[int, ParamShape]], chunks) -> int:
+    """--optimizer muon (no offload): per stepped element the fp32 master of a bf16/fp16 weight; two fp32 Adam
+    moments, or one fp32 momentum buffer for an element of a Muon matrix. Under the distributed optimizer a rank
+    also holds, during the step, the whole fp32 matrices it orthogonalises (a direction and an update each):
+    counted as 1/d of the stage's Muon matrices plus its largest, an estimate (owners are balanced by
+    Newton-Schulz FLOPs, not bytes), and under --muon-tp-mode duplicated one matrix gathered over TP."""
+    master = 0 if param_bytes(config) == FP32 else FP32
+    in_matrices = sum(n for n, _ in matrices)
+    total = stepped * master + (stepped - in_matrices) * 2 * FP32 + in_matrices * FP32
+    if not zero_stage_of(config).shards_optimizer_state:
+        return total
+    groups = _group_sizes(config)
+    whole = [(param.numel, groups[param.expert]) for chunk in chunks for param in chunk_params(config, chunk)
+             if param.muon]
+    if not whole:
+        return total
+    largest = max(numel for numel, _ in whole)
+    held = sum(_round_up(numel, group) // group for numel, group in whole) + largest
+    tp = config.parallel.tensor_model_parallel_size
+    gathered = largest * tp if config.optimizer.muon_tp_mode == "duplicated" and tp > 1 else 0
+    return total + (2 * held + gathered) * FP32
