@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 
 import pretrain_gpt
 from megatron_lite.arguments import make_config
+from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks
 
@@ -92,3 +93,28 @@ def test_compiled_pp2_interleaved_chunks_train_as_eager(tmp_path):
     values = {**LLAMA, "num_layers": 4, "pipeline_model_parallel_size": 2,
               "num_layers_per_virtual_pipeline_stage": 1}
     assert_compiled_trains_as_eager(values, tmp_path, world_size=2)
+
+
+def _graphs_compiled(values: dict, world_size: int) -> int:
+    torch._dynamo.reset()
+    counters.clear()
+    train(values, world_size)
+    return counters["stats"]["unique_graphs"]
+
+
+def _graphs_of_one_and_of_eight_micro_batches(values: dict) -> tuple[int, int]:
+    return (_graphs_compiled({**values, "global_batch_size": 1, "train_iters": 1}, 2),
+            _graphs_compiled({**values, "global_batch_size": 4, "train_iters": 2}, 2))
+
+
+@pytest.mark.slow
+def test_compiled_context_parallel_documents_compile_once_for_every_micro_batch():
+    """CP2 with --reset-attention-mask: the context-parallel attention plans its blocks on the host from each
+    micro-batch's documents, which dynamo would trace and guard on (a recompile for nearly every micro-batch).
+    It runs eagerly, so eight micro-batches with different document counts compile what one does."""
+    values = {**LLAMA, "num_layers": 1, "seq_length": 64, "max_position_embeddings": 64, "vocab_size": 64,
+              "eval_iters": 0, "context_parallel_size": 2, "reset_attention_mask": True, "torch_compile": True}
+    samples = MockGPTDataset(8, values["seq_length"], values["vocab_size"], make_config(values, 2).training.seed)
+    assert len({int((samples[i][:-1] == samples.eod).sum()) for i in range(8)}) > 1  # documents differ
+    one, eight = run_on_ranks(2, _graphs_of_one_and_of_eight_micro_batches, values)[0]
+    assert eight == one, (one, eight)
