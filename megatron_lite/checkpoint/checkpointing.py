@@ -2,7 +2,8 @@
 
 What a checkpoint holds (torch.distributed.checkpoint under global keys, see checkpoint/sharded.py):
   model       `<global name>` for every parameter: global layer index, unpadded vocabulary
-  optimizer   `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<global name>`
+  optimizer   `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<global name>`, Muon's `momentum_buffer` in
+              place of Adam's moments for hidden matrices (--optimizer muon; loaded only by the same optimizer)
   RNG         `rng_state.<layout>.rank_<r>.<generator>`: per rank, only restored in the same layout
 and `metadata.json`: iteration, consumed samples, the optimizer's step count and loss-scaler state, layout,
 configuration, versions. The learning rate is a function of the iteration and needs no state. Model and

@@ -24,9 +24,11 @@ Checkpoint protocol (the same for `Optimizer` and `DistributedOptimizer`). `shar
 
   optimizer.state.exp_avg.<global name>     FlatShard: Adam's first moment
   optimizer.state.exp_avg_sq.<global name>  FlatShard: Adam's second moment
+  optimizer.state.momentum_buffer.<name>    FlatShard: Muon's momentum, instead of Adam's moments, for the
+                                            hidden matrices of --optimizer muon (optim/muon_optimizer.py)
   optimizer.state.fp32_param.<global name>  FlatShard: the fp32 master of a bf16/fp16 weight (an fp32
                                             weight is its own master and is saved with the model)
-  optimizer.step                            int: Adam steps taken (the same for every parameter)
+  optimizer.step                            int: optimizer steps applied (the same for every parameter)
   optimizer.grad_scaler                     dict or None: the fp16 loss scaler's state
 
 Global names are GPTModel.global_name's (DistributedDataParallel.module.named_global_parameters()). A
