@@ -181,7 +181,9 @@ def test_a_damaged_saved_position_is_refused_with_one_line(corpus):
                   {"consumed_samples": 40, "sources": [path], "positions": [{**good, "offset": "3"}]},
                   {"consumed_samples": 40, "sources": [path], "positions": [{**good, "offset": -1}]},
                   {"consumed_samples": 40, "sources": [path], "positions": [{"epoch": 0}]},
-                  {"consumed_samples": 40, "sources": [path], "positions": [good, good]}):
+                  {"consumed_samples": 40, "sources": [path], "positions": [good, good]},
+                  {"consumed_samples": 40, "sources": [path], "positions": 7},
+                  {"consumed_samples": 40, "sources": [path]}):
         with pytest.raises(DataError, match=r"^the checkpoint's data_loader .*remove 'data_loader' from its "
                                             r"metadata.json to re-read the stream$"):
             dataset.restore_loader_state(state, 40)

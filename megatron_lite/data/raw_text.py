@@ -97,11 +97,12 @@ class RawTextDataset:
                 _log(f" raw text loader: the checkpoint holds no position of {', '.join(self.names)} at "
                      f"{consumed_samples} samples; reading the stream from its start up to there")
             return
-        self.resume = (consumed_samples, [_position_of(p) for p in state.get("positions", [])])
-        if len(self.resume[1]) != len(self.names):
-            raise DataError(f"the checkpoint's data_loader holds {len(self.resume[1])} positions for the "
-                            f"{len(self.names)} sources {', '.join(self.names)}; resume with the sources it was "
-                            f"saved with, or remove 'data_loader' from its metadata.json to re-read the stream")
+        saved = state.get("positions")
+        if not isinstance(saved, list) or len(saved) != len(self.names):
+            raise DataError(f"the checkpoint's data_loader holds {str(saved)[:60]} as the positions of the "
+                            f"{len(self.names)} sources {', '.join(self.names)}, not one per source; remove "
+                            f"'data_loader' from its metadata.json to re-read the stream")
+        self.resume = (consumed_samples, [_position_of(p) for p in saved])
 
 
 def _position_of(saved) -> Position:
