@@ -43,6 +43,7 @@ from megatron_lite import training
 from megatron_lite.arguments import make_config
 from megatron_lite.host_reads import counted_device_reads
 from megatron_lite.model import moe_experts
+from megatron_lite.model.layer_pattern import moe_layer_pattern
 from megatron_lite.parallel import mappings
 
 WARMUP = 2
@@ -163,7 +164,7 @@ def run_on_two_ranks(runs: dict, steps: int, rounds: int) -> dict:
 def expected_alltoall_bytes(config_values: dict, ep: int) -> float:
     """Forward and backward, dispatch and combine, of every MoE layer of every micro-batch of a step."""
     m = make_config(config_values, 2).model
-    moe_layers = len(range(0, m.num_layers, m.moe_layer_freq))
+    moe_layers = sum(moe_layer_pattern(m))
     tokens = config_values["global_batch_size"] // 2 * m.seq_length  # this rank's tokens per step
     return 2 * 2 * moe_layers * tokens * m.moe_router_topk * m.hidden_size * 4 * (ep - 1) / ep
 

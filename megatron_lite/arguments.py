@@ -208,6 +208,9 @@ def _yaml_value(f: dataclasses.Field, key, value, path: str):
     kind = _value_type(f)
     if value is None and "None" in str(f.type):
         return None
+    if str(f.type).startswith("str | int") and isinstance(value, (int, list)) and not isinstance(value, bool):
+        return value  # --moe-layer-freq: an integer or a list of 0s and 1s, as well as an expression
+
     if kind is bool and isinstance(value, bool):
         return value
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)

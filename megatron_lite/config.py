@@ -63,6 +63,31 @@ class ModelConfig:
     """with --use-rope-scaling: see there"""
     rope_scaling_original_max_position_embeddings: int = 8192
     """with --use-rope-scaling: the context length of pretraining before the scaling"""
+    # Multi-latent attention (DeepSeek-V2/V3, model/mla.py) and its YaRN RoPE (model/yarn.py)
+    multi_latent_attention: bool = False
+    """multi-latent attention: queries and keys/values through low-rank latents, a RoPE key shared by all heads"""
+    q_lora_rank: int | None = None
+    """with --multi-latent-attention: rank of the query latent; unset: queries projected directly"""
+    kv_lora_rank: int = 32
+    """with --multi-latent-attention: rank of the key/value latent"""
+    qk_head_dim: int = 128
+    """with --multi-latent-attention: query/key dimensions per head without position embedding"""
+    qk_pos_emb_head_dim: int = 64
+    """with --multi-latent-attention: query/key dimensions per head that RoPE rotates"""
+    v_head_dim: int = 128
+    """with --multi-latent-attention: value dimensions per head"""
+    rotary_scaling_factor: float = 1.0
+    """with --multi-latent-attention: YaRN's context stretch (DeepSeek-V3: 40); 1: plain RoPE"""
+    mscale: float = 1.0
+    """with --multi-latent-attention: YaRN's mscale of the rotated query/key dimensions"""
+    mscale_all_dim: float = 0.0
+    """with --multi-latent-attention: YaRN's mscale of all dimensions, which also scales the softmax"""
+    yarn_original_max_position_embeddings: int = 4096
+    """with --multi-latent-attention: the context length before YaRN's stretch"""
+    yarn_beta_fast: float = 32.0
+    """with --multi-latent-attention: YaRN keeps frequencies turning more often than this over the original context"""
+    yarn_beta_slow: float = 1.0
+    """with --multi-latent-attention: YaRN stretches frequencies turning less often than this over it"""
     untie_embeddings_and_output_weights: bool = False
     """an output layer of its own instead of the transposed input embedding table (Llama 3 8B; GPT-2 and Llama 3.2 1B
     tie them)"""
@@ -93,8 +118,9 @@ class ModelConfig:
     """weight of the router z-loss (ST-MoE's), which keeps the router's logits small"""
     moe_expert_capacity_factor: float | None = None
     """each expert takes at most factor x tokens x topk / experts tokens, the rest dropped; unset: dropless"""
-    moe_layer_freq: int = 1
-    """every N-th layer is an MoE layer, starting with the first"""
+    moe_layer_freq: str | int | list[int] = 1
+    """N: every N-th layer is an MoE layer, from the first; or one 0 (dense) / 1 (MoE) per layer as a list expression
+    such as ([0]*3+[1]*58) (model/layer_pattern.py)"""
     moe_token_dispatcher_type: str = "alltoall"
     """how tokens reach the experts of other expert-parallel ranks: alltoall sends each token where it goes, allgather
     gathers every token everywhere"""

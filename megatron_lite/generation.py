@@ -23,7 +23,8 @@ from megatron_lite.parallel.state import ParallelState
 
 
 class LayerKVCache:
-    """One layer's keys and values [max_sequence_length, b, ng/tp, d]; rows [0, offset) hold earlier tokens."""
+    """One layer's keys and values [max_sequence_length, b, ng/tp, d] (d of keys and of values); rows [0, offset)
+    hold earlier tokens."""
 
     def __init__(self, params: InferenceParams):
         self.params = params
@@ -34,9 +35,9 @@ class LayerKVCache:
         """Store the new tokens' key/value [s, b, ng/tp, d]; return those of all tokens so far [offset + s, ...]."""
         start = self.params.sequence_len_offset
         end = start + key.shape[0]
-        if self.key is None:
-            shape = (self.params.max_sequence_length, *key.shape[1:])
-            self.key, self.value = key.new_empty(shape), value.new_empty(shape)
+        if self.key is None:  # keys and values may differ in head size (multi-latent attention)
+            rows = self.params.max_sequence_length
+            self.key, self.value = key.new_empty((rows, *key.shape[1:])), value.new_empty((rows, *value.shape[1:]))
         if end > self.key.shape[0]:
             raise ValueError(f"the KV cache holds {self.key.shape[0]} tokens; {end} were asked for")
         self.key[start:end], self.value[start:end] = key, value

@@ -20,6 +20,7 @@ from megatron_lite.checkpoint.directory import checkpoint_path
 from megatron_lite.config import Config, LoggingConfig, ModelConfig
 from megatron_lite.errors import UserError
 from megatron_lite.files import read_text
+from megatron_lite.model.mla import mla_projection_weights
 from megatron_lite.model.moe import moe_layer_numbers
 from megatron_lite.timers import PhaseTimers
 
@@ -36,13 +37,19 @@ def training_flops_per_token(config: ModelConfig) -> float:
     Forward: 2 FLOPs per weight of every linear layer (QKV, attention output, MLP or the top-k experts a
     token visits and the shared expert, output layer) plus the attention scores and weighted sum,
     2 * 2 * seq * hidden per layer (the full square, as Megatron counts it; heads x head size stands for
-    hidden where --kv-channels sets another head size). Backward costs twice the forward. Activation
+    hidden where --kv-channels sets another head size; with multi-latent attention its projections, and
+    2 * seq * heads * (query-key + value head dims)). Backward costs twice the forward. Activation
     recomputation is not counted: it is work the hardware does, not work the model needs, so MFU stays
     comparable between runs with and without it.
     """
     h, s, L = config.hidden_size, config.seq_length, config.num_layers
     q, kv = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
     attention_weights = h * q + 2 * h * kv + q * h
+    attention_square = 4 * s * q
+    if config.multi_latent_attention:
+        attention_weights = mla_projection_weights(config)
+        q_dims = config.qk_head_dim + config.qk_pos_emb_head_dim
+        attention_square = 2 * s * config.num_attention_heads * (q_dims + config.v_head_dim)
     mlp_matrices = 3 if config.swiglu else 2
     dense_mlp = mlp_matrices * h * config.ffn_hidden_size
     if config.num_experts:
@@ -53,7 +60,7 @@ def training_flops_per_token(config: ModelConfig) -> float:
         mlp_weights = moe_layers * moe_mlp + (L - moe_layers) * dense_mlp
     else:
         mlp_weights = L * dense_mlp
-    forward = 2 * (L * attention_weights + mlp_weights + h * config.vocab_size) + L * 4 * s * q
+    forward = 2 * (L * attention_weights + mlp_weights + h * config.vocab_size) + L * attention_square
     return forward * 3
 
 

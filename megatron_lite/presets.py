@@ -11,6 +11,16 @@ _LLAMA = {
     "group_query_attention": True,
 }
 
+# DeepSeek-V3's architecture: multi-latent attention (heads of 128 + 64 query-key and 128 value dimensions) with its
+# latent norms; sigmoid routing renormalized over the top k, an aux-loss-free expert bias (update rate 0.001) and
+# the per-sequence balance loss of weight 0.0001, as the paper trains it
+_DEEPSEEK_V3 = {
+    **_LLAMA, "group_query_attention": False, "multi_latent_attention": True, "qk_layernorm": True,
+    "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3,
+    "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-4,
+}
+
 MODEL_PRESETS: dict[str, dict] = {
     "gpt2-124m": {
         "num_layers": 12, "hidden_size": 768, "ffn_hidden_size": 3072, "num_attention_heads": 12,
@@ -65,6 +75,30 @@ MODEL_PRESETS: dict[str, dict] = {
         "norm_epsilon": 1e-6, "rotary_base": 1000000.0, "add_qkv_bias": True, "num_experts": 60,
         "moe_router_topk": 4, "moe_ffn_hidden_size": 1408, "moe_router_pre_softmax": True,
         "moe_shared_expert_intermediate_size": 5632, "moe_shared_expert_gate": True, "moe_aux_loss_coeff": 0.001,
+    },
+    # DeepSeek-V3 (arXiv 2412.19437, and deepseek-ai/DeepSeek-V3's config.json): multi-latent attention with YaRN
+    # (factor 40 over a 4K context), 3 dense layers then 58 MoE layers of 256 sigmoid-routed experts, 8 per token
+    # from 4 of 8 groups, with an expert bias and a shared expert. Published: 671B parameters, 37B activated per
+    # token; the preset's checkpoint holds 671,026,419,200 (transformers' count of that config.json, expert
+    # biases included) and 37.6B are activated (embeddings included). The MTP module is not part of the preset.
+    "deepseek-v3": {
+        **_DEEPSEEK_V3, "num_layers": 61, "hidden_size": 7168, "ffn_hidden_size": 18432, "num_attention_heads": 128,
+        "seq_length": 4096, "max_position_embeddings": 163840, "vocab_size": 129280, "norm_epsilon": 1e-6,
+        "rotary_base": 10000.0, "q_lora_rank": 1536, "kv_lora_rank": 512, "rotary_scaling_factor": 40.0,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "yarn_original_max_position_embeddings": 4096, "num_experts": 256,
+        "moe_router_topk": 8, "moe_ffn_hidden_size": 2048, "moe_layer_freq": "([0]*3+[1]*58)",
+        "moe_shared_expert_intermediate_size": 2048, "moe_router_topk_scaling_factor": 2.5,
+        "moe_router_num_groups": 8, "moe_router_group_topk": 4,
+    },
+    # Moonlight-16B-A3B (arXiv 2502.16982, moonshotai/Moonlight-16B-A3B): DeepSeek-V3's architecture without a
+    # query latent or YaRN, 1 dense layer then 26 MoE layers of 64 experts, 6 per token, 2 shared. Published:
+    # 15.29B parameters, 2.24B activated, both without the embeddings (16B with them: 15,960,110,208).
+    "moonlight-16b": {
+        **_DEEPSEEK_V3, "num_layers": 27, "hidden_size": 2048, "ffn_hidden_size": 11264, "num_attention_heads": 16,
+        "seq_length": 8192, "max_position_embeddings": 8192, "vocab_size": 163840, "norm_epsilon": 1e-5,
+        "rotary_base": 50000.0, "kv_lora_rank": 512, "num_experts": 64, "moe_router_topk": 6,
+        "moe_ffn_hidden_size": 1408, "moe_layer_freq": "([0]*1+[1]*26)", "moe_shared_expert_intermediate_size": 2816,
+        "moe_router_topk_scaling_factor": 2.446,
     },
     "mixtral-tiny": {
         **_LLAMA, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 256, "num_attention_heads": 4,

@@ -12,6 +12,8 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_lite.errors import UserError
+from megatron_lite.model.layer_pattern import moe_layer_pattern
+from megatron_lite.model.mla_validation import mla_problems
 from megatron_lite.optim.muon_validation import muon_problems
 from megatron_lite.pipeline.layer_split import pipeline_stage_layers
 
@@ -25,7 +27,7 @@ class ConfigError(UserError, ValueError):
 
 def validate(config: Config, world_size: int) -> None:
     """Check everything that can be checked before a process group exists; raise one ConfigError."""
-    problems = _value_problems(config) + muon_problems(config)
+    problems = _value_problems(config) + muon_problems(config) + mla_problems(config)
     if not problems:  # the checks below divide by sizes that must first be known to be positive
         problems = (_layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
                     + _schedule_problems(config) + _profile_problems(config, world_size)
@@ -129,7 +131,7 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
     if m.num_query_groups % tp:
         problems.append(f"num-query-groups ({m.num_query_groups}) must be divisible by "
                         f"tensor-model-parallel-size ({tp})")
-    dense_mlp = not m.num_experts or m.moe_layer_freq > 1
+    dense_mlp = not all(moe_layer_pattern(m))
     if dense_mlp and m.ffn_hidden_size % tp:
         problems.append(f"ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by "
                         f"tensor-model-parallel-size ({tp})")

@@ -298,10 +298,13 @@ def assert_sends_pair_with_receives(results: list[dict], pp: int, v: int, m: int
 
 HF_VOCAB = 300
 HF_FAMILIES = ["llama", "llama_tied", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe",
-               "qwen2_moe"]
+               "qwen2_moe", "deepseek_v3", "deepseek_v3_no_q_latent"]
 # Scaled wavelengths from those below 64 / 4 (kept) through the band to 64 (interpolated) and above (divided)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# YaRN stretching a 16-token context by 4, with unequal mscales so that both of its scales count
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5}
 
 
 def hf_config(family: str):
@@ -311,6 +314,10 @@ def hf_config(family: str):
 
     common = {"vocab_size": HF_VOCAB, "bos_token_id": 0, "eos_token_id": HF_VOCAB - 1}
     llama = {"hidden_size": 64, "num_hidden_layers": 2, "max_position_embeddings": 64, **common}
+    deepseek = {**llama, "num_hidden_layers": 4, "first_k_dense_replace": 2, "intermediate_size": 96,
+                "moe_intermediate_size": 32, "num_attention_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
+                "num_experts_per_tok": 2, "routed_scaling_factor": 2.5, "tie_word_embeddings": False}
     return {
         "llama": lambda: transformers.LlamaConfig(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                                                   rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -336,6 +343,13 @@ def hf_config(family: str):
             intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_attention_heads=4,
             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
             tie_word_embeddings=False, **llama),
+        # multi-latent attention (192/128-like head dims in small), 2 dense then 2 MoE layers, sigmoid routing
+        # over 2 groups with a shared expert; with a query latent and YaRN, and without either
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **deepseek, q_lora_rank=24, rope_parameters=DEEPSEEK_YARN, n_group=2, topk_group=1),
+        "deepseek_v3_no_q_latent": lambda: transformers.DeepseekV3Config(
+            **deepseek, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, n_group=1,
+            topk_group=1),
     }[family]()
 
 
@@ -366,7 +380,7 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[str, str]]:
         for index, (family, (hf_dir, mlite_dir)) in enumerate(dirs.items()):
             torch.manual_seed(index)
             model = AutoModelForCausalLM.from_config(hf_config(family))
-            if family.startswith("qwen"):
+            if family.startswith(("qwen", "deepseek")):
                 perturb_biases_and_norms(model)
             model.save_pretrained(hf_dir)
             if family == "llama":
@@ -382,3 +396,6 @@ def perturb_biases_and_norms(model) -> None:
     for name, param in model.named_parameters():
         if name.endswith(("bias", "norm.weight")):
             param.add_(0.1 * torch.randn_like(param))
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert bias, a buffer
+            buffer.add_(0.1 * torch.randn_like(buffer))

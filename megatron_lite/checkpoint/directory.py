@@ -164,7 +164,10 @@ def _of_type(value, annotation: str) -> bool:
     """Whether a JSON value fits a Config field annotated `annotation` ('int | None', 'list[str]', ...)."""
     if value is None:
         return "None" in annotation
-    kind = annotation.split(" | ")[0]
+    return any(_of_kind(value, kind) for kind in annotation.split(" | ") if kind != "None")
+
+
+def _of_kind(value, kind: str) -> bool:
     if kind.startswith("list["):
         item = kind.removeprefix("list[").removesuffix("]")
         return isinstance(value, list) and all(_of_type(v, item) for v in value)

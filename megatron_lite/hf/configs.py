@@ -1,5 +1,5 @@
-"""Hugging Face config.json <-> megatron_lite model flags, for the llama, qwen2, qwen3, gpt2, mixtral, qwen3_moe and
-qwen2_moe families.
+"""Hugging Face config.json <-> megatron_lite model flags, for the llama, qwen2, qwen3, gpt2, mixtral, qwen3_moe,
+qwen2_moe and deepseek_v3 families.
 
 A config.json becomes the values of pretrain_gpt.py's model flags (ModelConfig field names); a ModelConfig
 becomes a config.json that `transformers.AutoModelForCausalLM.from_pretrained` reads. Qwen2 is a Llama with a
@@ -7,7 +7,10 @@ QKV bias (--add-qkv-bias), Qwen3 one with per-head q/k norms (--qk-layernorm); t
 softmax over all experts, renormalized over the top k (as Mixtral) with norm_topk_prob, as they are without
 (--moe-router-pre-softmax), and Qwen2-MoE adds a gated shared expert (--moe-shared-expert-intermediate-size,
 --moe-shared-expert-gate); Llama 3.1's RoPE scaling (rope_type
-"llama3") is --use-rope-scaling. Variants our model cannot reproduce exactly (other RoPE scalings, attention or
+"llama3") is --use-rope-scaling. DeepSeek-V3 is multi-latent attention with YaRN (rope_type "yarn"), dense first
+layers and sigmoid-routed experts with an expert bias and a shared expert; its latent norms take rms_norm_eps
+(Megatron's choice), where transformers fixes 1e-6 (DeepSeek-V3's rms_norm_eps; Moonlight's 1e-5 moves the
+logits by about 1e-6 of their scale). Variants our model cannot reproduce exactly (other RoPE scalings, attention or
 MLP biases in Llama, sliding windows, GPT-2's per-layer attention scaling) are refused with one line rather than
 converted into a different network.
 """
@@ -21,8 +24,10 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.errors import UserError
 from megatron_lite.files import is_a
+from megatron_lite.model.layer_pattern import moe_layer_pattern
+from megatron_lite.model.yarn import YarnScaling, yarn_mscale
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 
 
 class ConversionError(UserError, ValueError):
@@ -150,17 +155,87 @@ def _gpt2_values(hf: dict) -> dict:
             "hidden_dropout": float(hf.get("resid_pdrop", 0.1)), "attention_dropout": float(hf.get("attn_pdrop", 0.1))}
 
 
+# DeepSeek-V3: rope_type "yarn" keys -> our flags (beta_fast/slow default to 32 and 1 in transformers and here)
+_YARN_FLAGS = {"factor": "rotary_scaling_factor", "original_max_position_embeddings":
+               "yarn_original_max_position_embeddings", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
+_DEEPSEEK_INTEGER_KEYS = ("n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
+                          "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_DEEPSEEK_NUMBER_KEYS = ("routed_scaling_factor", "mscale", "mscale_all_dim", "attention_factor", "beta_fast",
+                         "beta_slow", "factor")
+
+
+def _yarn_values(hf: dict) -> dict:
+    """--rotary-base and YaRN's flags from DeepSeek-V3's RoPE parameters (plain RoPE or rope_type "yarn").
+
+    transformers scales cos and sin by `attention_factor`, or without it by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) when both are set and mscale(factor, 1) otherwise; its softmax scale takes
+    mscale(factor, mscale_all_dim)^2 (model/yarn.py). The flags are chosen to give both."""
+    parameters = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    _refuse(rope_type not in ("default", "yarn"), f"RoPE scaling ({rope_type}) in a deepseek_v3")
+    values = {"rotary_base": float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if rope_type == "default":
+        return values
+    for key in ("factor", "original_max_position_embeddings"):
+        _get(parameters, key)
+    _refuse(parameters.get("truncate", True) is False, "YaRN without truncation (truncate: false)")
+    values.update({flag: parameters[key] for key, flag in _YARN_FLAGS.items() if parameters.get(key) is not None})
+    mscale, all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim") or 0.0
+    _refuse(bool(all_dim) and not mscale and parameters.get("attention_factor") is None,
+            "YaRN's mscale_all_dim without mscale")
+    values.update(mscale=float(mscale) if mscale and all_dim else 1.0, mscale_all_dim=float(all_dim))
+    given = parameters.get("attention_factor")
+    if given is not None:
+        ours = YarnScaling(values["rotary_scaling_factor"], 1, 32.0, 1.0, values["mscale"], values["mscale_all_dim"],
+                           1.0).attention_factor
+        _refuse(abs(given - ours) > 1e-12 * abs(ours), f"a YaRN attention_factor ({given}) other than the "
+                                                        f"mscale ratio ({ours})")
+    return values
+
+
+def _deepseek_v3_values(hf: dict) -> dict:
+    """DeepSeek-V3: multi-latent attention with its latent norms (--qk-layernorm), first_k_dense_replace dense
+    layers (--moe-layer-freq), sigmoid routing renormalized over the top k with an expert bias, group-limited,
+    scaled by routed_scaling_factor, and n_shared_experts shared experts as one shared MLP."""
+    _refuse(not hf.get("rope_interleave", True), "a deepseek_v3 without rope_interleave")
+    _refuse(not hf.get("norm_topk_prob", True), "a deepseek_v3 without norm_topk_prob")
+    _refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func {hf.get('scoring_func')!r}")
+    layers, dense = _get(hf, "num_hidden_layers"), hf.get("first_k_dense_replace", 0)
+    groups, group_topk, topk = hf.get("n_group") or 1, hf.get("topk_group") or 1, _get(hf, "num_experts_per_tok")
+    _refuse(groups > 1 and topk != 2 * group_topk, f"group-limited routing that ranks groups by their top 2 scores "
+                                                   f"with num_experts_per_tok ({topk}) other than 2 x topk_group "
+                                                   f"({group_topk})")
+    values = {**_llama_values({**hf, "head_dim": None, "num_key_value_heads": None, "rope_parameters": None,
+                               "rope_scaling": None}), **_yarn_values(hf)}
+    shared = (hf.get("n_shared_experts") or 0) * _get(hf, "moe_intermediate_size")
+    _refuse(not shared, "a deepseek_v3 without shared experts (n_shared_experts)")
+    values.update(
+        group_query_attention=False, num_query_groups=None, kv_channels=None, multi_latent_attention=True,
+        qk_layernorm=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=_get(hf, "kv_lora_rank"),
+        qk_head_dim=_get(hf, "qk_nope_head_dim"), qk_pos_emb_head_dim=_get(hf, "qk_rope_head_dim"),
+        v_head_dim=_get(hf, "v_head_dim"), num_experts=_get(hf, "n_routed_experts"), moe_router_topk=topk,
+        moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), moe_layer_freq=f"([0]*{dense}+[1]*{layers - dense})",
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
+        moe_shared_expert_intermediate_size=shared)
+    return values
+
+
 _FROM_HF = {"llama": _llama_values, "qwen2": _qwen_values, "qwen3": _qwen_values, "gpt2": _gpt2_values,
-            "mixtral": _mixtral_values, "qwen3_moe": _qwen_moe_values, "qwen2_moe": _qwen_moe_values}
+            "mixtral": _mixtral_values, "qwen3_moe": _qwen_moe_values, "qwen2_moe": _qwen_moe_values,
+            "deepseek_v3": _deepseek_v3_values}
 
 
 # The types of the config.json keys read above (null stands for a missing key), checked before any is used.
-_INTEGER_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "head_dim",
+_INTEGER_KEYS = (*_DEEPSEEK_INTEGER_KEYS, "hidden_size", "num_attention_heads", "num_hidden_layers",
+                 "intermediate_size", "head_dim",
                  "num_key_value_heads", "max_position_embeddings", "vocab_size", "num_local_experts", "num_experts",
                  "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                  "decoder_sparse_step", "sliding_window", "n_embd", "n_positions", "n_layer", "n_head", "n_inner")
 _NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "initializer_range", "attention_dropout", "router_aux_loss_coef",
-                "layer_norm_epsilon", "resid_pdrop", "attn_pdrop", *_LLAMA3_ROPE_FLAGS)
+                "layer_norm_epsilon", "resid_pdrop", "attn_pdrop", *_LLAMA3_ROPE_FLAGS,
+                *_DEEPSEEK_NUMBER_KEYS)
 _OBJECT_KEYS = ("rope_parameters", "rope_scaling")
 
 
@@ -195,8 +270,9 @@ def family_of_model(m: ModelConfig) -> str:
     gpt2_like = (m.normalization == "LayerNorm" and not m.swiglu and m.position_embedding_type == "learned_absolute"
                  and not m.disable_bias_linear and m.num_query_groups == m.num_attention_heads)
     plain_attention = not m.qk_layernorm and not m.add_qkv_bias and not m.use_rope_scaling
-    dense_llama = llama_like and not m.num_experts
-    moe_llama = (m.num_experts and llama_like and m.moe_layer_freq == 1 and m.moe_router_score_function == "softmax"
+    dense_llama = llama_like and not m.num_experts and not m.multi_latent_attention
+    moe_llama = (m.num_experts and llama_like and all(moe_layer_pattern(m)) and not m.multi_latent_attention
+                 and m.moe_router_score_function == "softmax"
                  and not m.moe_router_enable_expert_bias and m.moe_router_num_groups is None
                  and m.moe_router_topk_scaling_factor is None and not m.use_rope_scaling)
     shared = m.moe_shared_expert_intermediate_size
@@ -215,6 +291,12 @@ def family_of_model(m: ModelConfig) -> str:
         return "llama"
     if not m.num_experts and gpt2_like and plain_attention:
         return "gpt2"
+    if m.multi_latent_attention:
+        refusal = _deepseek_v3_refusal(m)
+        if refusal is None:
+            return "deepseek_v3"
+        raise ConversionError(f"no Hugging Face model type has this network: deepseek_v3 (the one with multi-latent "
+                              f"attention) needs {refusal}")
     raise ConversionError(
         f"no Hugging Face model type has this network (normalization={m.normalization}, swiglu={m.swiglu}, "
         f"position-embedding-type={m.position_embedding_type}, disable-bias-linear={m.disable_bias_linear}, "
@@ -291,11 +373,55 @@ def _gpt2_config(m: ModelConfig) -> dict:
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False}
 
 
+def _deepseek_v3_refusal(m: ModelConfig) -> str | None:
+    """What a multi-latent-attention model lacks to be a DeepSeek-V3, or None."""
+    pattern = moe_layer_pattern(m)
+    dense = pattern.index(True) if True in pattern else len(pattern)
+    needs = [(m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope", "RMSNorm, SwiGLU and "
+              "RoPE"), (m.qk_layernorm, "--qk-layernorm (its latent norms)"),
+             (bool(m.num_experts) and all(pattern[dense:]), "experts in every layer after the first dense ones"),
+             (m.moe_router_score_function == "sigmoid" and m.moe_router_enable_expert_bias, "sigmoid routing with "
+              "--moe-router-enable-expert-bias"),
+             (m.moe_router_group_topk is None or m.moe_router_topk == 2 * m.moe_router_group_topk,
+              "--moe-router-topk twice --moe-router-group-topk (groups ranked by their top 2 scores)"),
+             (bool(m.moe_shared_expert_intermediate_size) and not m.moe_shared_expert_gate
+              and (m.moe_shared_expert_intermediate_size or 1) % m.moe_ffn_hidden_size == 0,
+              "an ungated shared expert whose size is a multiple of --moe-ffn-hidden-size")]
+    missing = [what for ok, what in needs if not ok]
+    return ", ".join(missing) if missing else None
+
+
+def _deepseek_v3_config(m: ModelConfig) -> dict:
+    config = _llama_config(m)
+    for key in ("mlp_bias", "head_dim", "num_key_value_heads", "rope_scaling"):
+        del config[key]
+    yarn = YarnScaling.of(m)
+    rope = {"rope_type": "default", "rope_theta": m.rotary_base}
+    if m.rotary_scaling_factor != 1.0:
+        rope = {"rope_type": "yarn", "rope_theta": m.rotary_base, "factor": m.rotary_scaling_factor,
+                "original_max_position_embeddings": m.yarn_original_max_position_embeddings,
+                "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow, "mscale": m.mscale,
+                "mscale_all_dim": m.mscale_all_dim}
+        inferred = yarn_mscale(m.rotary_scaling_factor, 1.0) if not (m.mscale and m.mscale_all_dim) else None
+        if inferred is not None and inferred != yarn.attention_factor:  # what transformers takes without the key
+            rope["attention_factor"] = yarn.attention_factor
+    pattern = moe_layer_pattern(m)
+    return {**config, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "rope_parameters": rope,
+            "rope_interleave": True, "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
+            "qk_nope_head_dim": m.qk_head_dim, "qk_rope_head_dim": m.qk_pos_emb_head_dim, "v_head_dim": m.v_head_dim,
+            "moe_intermediate_size": m.moe_ffn_hidden_size, "n_routed_experts": m.num_experts,
+            "n_shared_experts": m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size,
+            "num_experts_per_tok": m.moe_router_topk, "first_k_dense_replace": pattern.index(True),
+            "n_group": m.moe_router_num_groups or 1, "topk_group": m.moe_router_group_topk or 1,
+            "norm_topk_prob": True, "routed_scaling_factor": m.moe_router_topk_scaling_factor or 1.0}
+
+
 _TO_HF = {"llama": _llama_config, "qwen2": lambda m: _qwen_config(m, "qwen2", "Qwen2ForCausalLM"),
           "qwen3": lambda m: _qwen_config(m, "qwen3", "Qwen3ForCausalLM"), "gpt2": _gpt2_config,
           "mixtral": _mixtral_config,
           "qwen3_moe": lambda m: _qwen_moe_config(m, "qwen3_moe", "Qwen3MoeForCausalLM"),
-          "qwen2_moe": lambda m: _qwen_moe_config(m, "qwen2_moe", "Qwen2MoeForCausalLM")}
+          "qwen2_moe": lambda m: _qwen_moe_config(m, "qwen2_moe", "Qwen2MoeForCausalLM"),
+          "deepseek_v3": _deepseek_v3_config}
 
 
 def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:

@@ -80,11 +80,14 @@ class Rule:
 
 @dataclass(frozen=True)
 class NameTable:
-    """The rules of a family: before the layers, per layer (`{layer}`, and `{expert}` in expert rules), after."""
+    """The rules of a family: before the layers, per layer (`{layer}`, and `{expert}` in expert rules), after.
+    With `dense_layer`, `layer` holds the MoE layers' rules and `dense_layer` those of the dense layers of
+    --moe-layer-freq (DeepSeek-V3's first layers)."""
 
     head: list[Rule]
     layer: list[Rule]
     tail: list[Rule]
+    dense_layer: list[Rule] | None = None
 
 
 def _h(m):
@@ -205,6 +208,48 @@ def gpt2_table(m: ModelConfig) -> NameTable:
               *_output_layer(m, "lm_head.weight")])
 
 
+def _latent_attention(m: ModelConfig) -> list[Rule]:
+    """Norms and multi-latent attention of a DeepSeek-V3 layer (model/mla.py's names; HF's in the same layouts)."""
+    ours, attn = "decoder.layers.{layer}.", "model.layers.{layer}.self_attn."
+    heads, q_dim = m.num_attention_heads, m.qk_head_dim + m.qk_pos_emb_head_dim
+
+    def rule(our_name, their_name, shape):
+        return Rule(f"{ours}{our_name}", (f"{attn}{their_name}",), lambda m: (shape,))
+
+    rules = [Rule(ours + "input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",),
+                  lambda m: ((_h(m),),)),
+             Rule(ours + "pre_mlp_layernorm.weight", ("model.layers.{layer}.post_attention_layernorm.weight",),
+                  lambda m: ((_h(m),),))]
+    if m.q_lora_rank is None:
+        rules.append(rule("self_attention.linear_q_proj.weight", "q_proj.weight", (heads * q_dim, _h(m))))
+    else:
+        rules += [rule("self_attention.linear_q_down_proj.weight", "q_a_proj.weight", (m.q_lora_rank, _h(m))),
+                  rule("self_attention.q_layernorm.weight", "q_a_layernorm.weight", (m.q_lora_rank,)),
+                  rule("self_attention.linear_q_up_proj.weight", "q_b_proj.weight", (heads * q_dim, m.q_lora_rank))]
+    return rules + [
+        rule("self_attention.linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight",
+             (m.kv_lora_rank + m.qk_pos_emb_head_dim, _h(m))),
+        rule("self_attention.kv_layernorm.weight", "kv_a_layernorm.weight", (m.kv_lora_rank,)),
+        rule("self_attention.linear_kv_up_proj.weight", "kv_b_proj.weight",
+             (heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank)),
+        rule("self_attention.linear_proj.weight", "o_proj.weight", (_h(m), heads * m.v_head_dim))]
+
+
+def deepseek_v3_table(m: ModelConfig) -> NameTable:
+    """DeepSeek-V3 (and Moonlight, Kimi K2): multi-latent attention; dense SwiGLU MLPs in the first layers, then a
+    sigmoid router with its expert bias (e_score_correction_bias), routed experts and a shared expert."""
+    ours, theirs = "decoder.layers.{layer}.mlp.", "model.layers.{layer}.mlp."
+    moe = [Rule(ours + "router.weight", (theirs + "gate.weight",), lambda m: ((m.num_experts, _h(m)),)),
+           Rule(ours + "router.expert_bias", (theirs + "gate.e_score_correction_bias",), lambda m: ((m.num_experts,),)),
+           *_swiglu_mlp(ours + "experts.{expert}.", theirs + "experts.{expert}.", lambda m: m.moe_ffn_hidden_size),
+           *_swiglu_mlp(ours + "shared_experts.", theirs + "shared_experts.",
+                        lambda m: m.moe_shared_expert_intermediate_size)]
+    dense = _swiglu_mlp(ours, theirs, lambda m: m.ffn_hidden_size)
+    attention = _latent_attention(m)
+    table = _llama_table(m, [])
+    return NameTable(head=table.head, layer=attention + moe, tail=table.tail, dense_layer=attention + dense)
+
+
 NAME_TABLES: dict[str, Callable[[ModelConfig], NameTable]] = {
     "llama": llama_table, "qwen2": llama_table, "qwen3": llama_table, "gpt2": gpt2_table, "mixtral": mixtral_table,
-    "qwen3_moe": qwen_moe_table, "qwen2_moe": qwen_moe_table}
+    "qwen3_moe": qwen_moe_table, "qwen2_moe": qwen_moe_table, "deepseek_v3": deepseek_v3_table}

@@ -15,6 +15,7 @@ import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.hf.name_tables import NAME_TABLES, Rule
+from megatron_lite.model.layer_pattern import moe_layer_pattern
 
 # Buffers some HF checkpoints carry that are not weights.
 _NOT_WEIGHTS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
@@ -35,10 +36,11 @@ def _expanded(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[
     """Every rule of the family's table with the values of its placeholders, in checkpoint order; `layers`
     wraps the loop over layer indices (a progress bar)."""
     table = NAME_TABLES[family](m)
+    moe = moe_layer_pattern(m) if table.dense_layer is not None else [True] * m.num_layers
     for rule in table.head:
         yield rule, {}
     for layer in layers(range(m.num_layers)):
-        for rule in table.layer:
+        for rule in table.layer if moe[layer] else table.dense_layer:
             experts = range(m.num_experts) if "{expert}" in rule.ours else (None,)
             for expert in experts:
                 yield rule, {"layer": layer, "expert": expert}

@@ -38,6 +38,7 @@ from megatron_lite.model.context_parallel import context_parallel_attention
 from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.model.yarn import YarnScaling
 from megatron_lite.parallel.random import RNGTracker, checkpoint
 from megatron_lite.parallel.state import ParallelState
 
@@ -132,15 +133,17 @@ class RopeScaling(NamedTuple):
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """RoPE (Su et al. 2021) in the "rotate half" layout used by Llama and Hugging Face, with Llama 3.1's
-    frequency scaling when `scaling` is given."""
+    """RoPE (Su et al. 2021) in the "rotate half" layout used by Llama and Hugging Face, with the frequency scaling
+    `scaling` when given: Llama 3.1's (RopeScaling) or YaRN's (model/yarn.py), whose attention factor multiplies
+    cos and sin."""
 
-    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None = None):
+    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | YarnScaling | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         if scaling is not None:
             inv_freq = scaling.apply(inv_freq)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_factor = scaling.attention_factor if isinstance(scaling, YarnScaling) else 1.0
 
     def forward(self, position_ids: torch.Tensor) -> Positions:
         """[s] positions shared by the batch, or [b, s] per sample (--reset-position-ids) -> cos, sin of shape
@@ -148,7 +151,17 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = position_ids.float().unsqueeze(-1) * self.inv_freq  # [s, d/2] or [b, s, d/2]
         freqs = freqs.unsqueeze(1) if position_ids.dim() == 1 else freqs.transpose(0, 1)  # [s, 1 or b, d/2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [s, 1 or b, 1, d]
+        if self.attention_factor != 1.0:
+            return Positions(emb.cos() * self.attention_factor, emb.sin() * self.attention_factor)
         return Positions(emb.cos(), emb.sin())
+
+
+def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
+    """The model's RoPE: over the whole head with Llama 3.1's scaling if asked; with multi-latent attention over
+    its qk-pos-emb-head-dim rotated dimensions with YaRN's scaling (plain RoPE at --rotary-scaling-factor 1)."""
+    if config.multi_latent_attention:
+        return RotaryEmbedding(config.qk_pos_emb_head_dim, config.rotary_base, YarnScaling.of(config))
+    return RotaryEmbedding(config.head_dim, config.rotary_base, RopeScaling.of(config))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -312,14 +325,15 @@ class HeadNorm(torch.nn.Module):
     head_dim, one weight shared by all heads, as Megatron's q_layernorm/k_layernorm and Qwen3's q_norm/k_norm.
 
     Every TP rank holds the whole weight but normalizes only its own heads, so each rank's gradient is a partial
-    sum: the spec marks it for the all-reduce over TP that finalize_model_grads gives such parameters.
+    sum: the spec marks it for the all-reduce over TP that finalize_model_grads gives such parameters. `size`
+    other than head_dim: multi-latent attention's latent norms (model/mla.py), replicated over TP as well.
     """
 
-    def __init__(self, config: ModelConfig, tp_size: int):
+    def __init__(self, config: ModelConfig, tp_size: int, size: int | None = None):
         super().__init__()
         self.kind = config.normalization
         self.eps = config.norm_epsilon
-        spec = dict(global_shape=(config.head_dim,), sequence_parallel=tp_size > 1)
+        spec = dict(global_shape=(size or config.head_dim,), sequence_parallel=tp_size > 1)
         self.weight = new_parameter(ShardSpec(**spec, init="ones"), 1)
         self.bias = new_parameter(ShardSpec(**spec, init="zeros"), 1) if self.kind == "LayerNorm" else None
 

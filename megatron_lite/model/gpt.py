@@ -16,7 +16,7 @@ import re
 import torch
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.attention import Documents, Positions, RopeScaling, RotaryEmbedding, choose_attention_backend
+from megatron_lite.model.attention import Documents, Positions, choose_attention_backend, rotary_embedding
 from megatron_lite.model.sharding import ShardSpec, initialize_parameters, new_parameter
 from megatron_lite.model.tensor_parallel import (
     ColumnParallelLinear,
@@ -82,8 +82,7 @@ class GPTModel(torch.nn.Module):
             if pre_process:
                 self.embedding = Embedding(config, pstate, padded_vocab, sequence_parallel=sequence_parallel,
                                            rng_tracker=tracker)
-            self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base, RopeScaling.of(config))
-                           if config.position_embedding_type == "rope" else None)
+            self.rotary = rotary_embedding(config) if config.position_embedding_type == "rope" else None
             layers = []
             for number in range(layer_offset, layer_offset + num_layers):
                 mlp = mlp_factory(number) if mlp_factory is not None else None

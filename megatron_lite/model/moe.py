@@ -1,6 +1,6 @@
 """Mixture-of-Experts layer: router -> token dispatcher -> local experts -> dispatcher back.
 
-An MoE layer replaces the dense MLP of every --moe-layer-freq-th transformer layer (layers 0, f, 2f, ..)
+An MoE layer replaces the dense MLP of the transformer layers --moe-layer-freq names (model/layer_pattern.py)
 with E expert MLPs and a router that sends each token to k of them, so parameters grow with E while
 the compute per token stays that of k experts (Switch Transformer, GShard, Mixtral).
 
@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import Config, ModelConfig
+from megatron_lite.model.layer_pattern import moe_layer_pattern
 from megatron_lite.model.loss_scaling import auxiliary_loss_weight
 from megatron_lite.model.moe_experts import GroupedExperts, SharedExpertMLP
 from megatron_lite.model.moe_router import MoEAuxLossAutoScaler, RouterLosses, TopKRouter, capacity_keep_mask
@@ -128,14 +129,16 @@ class MoELayer(torch.nn.Module):
 
 
 def moe_mlp_factory(config: Config, pstate: ParallelState):
-    """GPTModel's `mlp_factory`: an MoELayer for every --moe-layer-freq-th layer, None (the dense MLP)
+    """GPTModel's `mlp_factory`: an MoELayer for each MoE layer of --moe-layer-freq, None (the dense MLP)
     for the others; None altogether for a dense model."""
     m = config.model
     if not m.num_experts:
         return None
 
+    pattern = moe_layer_pattern(m)
+
     def build(layer_number: int) -> MoELayer | None:
-        if layer_number % m.moe_layer_freq:
+        if not pattern[layer_number]:
             return None
         return MoELayer(m, pstate, layer_number, sequence_parallel=config.parallel.sequence_parallel,
                         token_dispatcher=m.moe_token_dispatcher_type)
@@ -187,7 +190,7 @@ def load_moe_statistics(model_chunks, saved: list[tuple]) -> None:
 
 def moe_layer_numbers(config: ModelConfig) -> list[int]:
     """Global indices of the MoE layers."""
-    return list(range(0, config.num_layers, config.moe_layer_freq)) if config.num_experts else []
+    return [number for number, moe in enumerate(moe_layer_pattern(config)) if moe]
 
 
 @torch.no_grad()

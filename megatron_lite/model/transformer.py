@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention import SelfAttention
 from megatron_lite.model.fp8 import FP8Recipe
+from megatron_lite.model.mla import MultiLatentAttention
 from megatron_lite.model.mlp import MLP
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel.random import RNGTracker, checkpoint
@@ -82,9 +83,10 @@ class TransformerLayer(torch.nn.Module):
         self.layer_number = layer_number
         fp8 = FP8Recipe.for_layer(config, layer_number)
         self.input_layernorm = Norm(config, sequence_parallel)
-        self.self_attention = SelfAttention(config, pstate, sequence_parallel=sequence_parallel,
-                                            backend=attention_backend, rng_tracker=rng_tracker,
-                                            cp_comm_type=cp_comm_type, fp8=fp8)
+        attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+        self.self_attention = attention(config, pstate, sequence_parallel=sequence_parallel,
+                                        backend=attention_backend, rng_tracker=rng_tracker,
+                                        cp_comm_type=cp_comm_type, fp8=fp8)
         self.pre_mlp_layernorm = Norm(config, sequence_parallel)
         self.mlp = mlp if mlp is not None else MLP(config, pstate, sequence_parallel=sequence_parallel, fp8=fp8)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
+from megatron_lite.model.layer_pattern import is_moe_layer
 from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.planning.state_memory import FP32, chunk_buckets, param_bytes, zero_stage_of
 
@@ -90,7 +91,7 @@ def layer_bytes(config: Config, layer_number: int) -> int:
     lse = 0 if m.recompute_granularity == "selective" else FP32 * nh
     per_token += e * nh * d + lse
     per_token += e * h  # fc1 input
-    moe = m.num_experts and layer_number % m.moe_layer_freq == 0
+    moe = is_moe_layer(m, layer_number)
     ffn = m.moe_ffn_hidden_size * m.moe_router_topk if moe else m.ffn_hidden_size
     ffn //= tp
     per_token += e * ffn * (2 + 2) if m.swiglu else e * ffn * 2
@@ -301,7 +302,7 @@ def weight_pass_bytes(config: Config, chunk) -> int:
         size += tokens * e * ((nh + 2 * ng) * d + h)  # QKV and output projection
         if m.qk_layernorm:
             size += tokens * norm * (nh + ng) * d
-        moe = m.num_experts and layer_number % m.moe_layer_freq == 0
+        moe = is_moe_layer(m, layer_number)
         if moe:
             size += stream * FP32 * m.num_experts  # the router's GEMM runs in fp32
             expert_ffn = m.moe_ffn_hidden_size // tp

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
+from megatron_lite.model.layer_pattern import is_moe_layer
 from megatron_lite.optim.cpu_offload import offloaded_count
 from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.pipeline.layer_split import ChunkPlan, model_chunk_plans
@@ -88,19 +89,39 @@ def _norm(config: Config, size: int) -> list[int]:
     return [_NotMuon(size)] * (2 if config.model.normalization == "LayerNorm" else 1)
 
 
+def _latent_attention_params(config: Config) -> list[int]:
+    """Multi-latent attention's parameters in registration order (model/mla.py): heads split over TP, the
+    down-projections and latent norms whole on every rank."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    h, heads = m.hidden_size, m.num_attention_heads // tp
+    norm = (lambda size: _norm(config, size)) if m.qk_layernorm else (lambda size: [])
+    q_width = heads * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+    if m.q_lora_rank is None:
+        params = [q_width * h]
+    else:
+        params = [m.q_lora_rank * h, *norm(m.q_lora_rank), q_width * m.q_lora_rank]
+    params += [(m.kv_lora_rank + m.qk_pos_emb_head_dim) * h, *norm(m.kv_lora_rank),
+               heads * (m.qk_head_dim + m.v_head_dim) * m.kv_lora_rank]
+    return params + [h * heads * m.v_head_dim]
+
+
 def _layer_params(config: Config, layer_number: int, unit: int) -> list[ParamShape]:
     """One TransformerLayer's parameters in registration order."""
     m, tp, ep = config.model, config.parallel.tensor_model_parallel_size, config.parallel.expert_model_parallel_size
     h, d = m.hidden_size, m.head_dim
     bias = not m.disable_bias_linear
-    dense = [*_norm(config, h), *_linear((m.num_attention_heads + 2 * m.num_query_groups) * d, h,
-                                         bias or m.add_qkv_bias, 0, tp)]
-    if m.qk_layernorm:
-        dense += _norm(config, d) * 2
-    dense += _linear(h, m.num_attention_heads * d, bias, 1, tp) + _norm(config, h)
+    if m.multi_latent_attention:
+        dense = [*_norm(config, h), *_latent_attention_params(config)]
+    else:
+        dense = [*_norm(config, h), *_linear((m.num_attention_heads + 2 * m.num_query_groups) * d, h,
+                                             bias or m.add_qkv_bias, 0, tp)]
+        if m.qk_layernorm:
+            dense += _norm(config, d) * 2
+        dense += _linear(h, m.num_attention_heads * d, bias, 1, tp)
+    dense += _norm(config, h)
     chunks = 2 if m.swiglu else 1
     expert = []
-    if m.num_experts and layer_number % m.moe_layer_freq == 0:
+    if is_moe_layer(m, layer_number):
         dense.append(_NotMuon(m.num_experts * h))  # the router, replicated
         for _ in range(m.num_experts // ep):
             expert += [chunks * m.moe_ffn_hidden_size // tp * h, h * (m.moe_ffn_hidden_size // tp)]

@@ -1,0 +1,108 @@
+"""Which transformer layers are MoE layers: --moe-layer-freq in Megatron's three forms, read without eval.
+
+Megatron's --moe-layer-freq is an integer N (layers 0, N, 2N, .. are MoE layers, the others dense), the same
+integer as a string, or a Python list expression of 0s and 1s, one per layer ("([0]*3+[1]*58)": three dense
+layers, then 58 MoE layers, DeepSeek-V3's stack). Megatron evaluates the expression with eval after a character
+filter; here it is parsed into a syntax tree of which only integer literals, lists of them, + and * are
+evaluated, so no other code can run. Every part of the package that needs to know a layer's kind (the model
+builder, the planner, the FLOP count, the Hugging Face conversion) asks `moe_layer_pattern`.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+
+from megatron_lite.config import ModelConfig
+
+_LONGEST_EXPRESSION = 10_000  # characters; a pattern is one entry per layer, written with * for repeats
+_LONGEST_PATTERN = 100_000  # layers
+
+
+class LayerPatternError(ValueError):
+    """--moe-layer-freq cannot be read; the message says what to write instead."""
+
+
+def _evaluate(node: ast.AST):
+    """An integer or list of integers from a tree of int literals, lists, + and *; anything else refused."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        items = [_evaluate(item) for item in node.elts]
+        if not all(isinstance(item, int) for item in items):
+            raise LayerPatternError("list items must be 0 or 1")
+        return items
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Add) and type(left) is type(right):
+            if isinstance(left, list) and len(left) + len(right) > _LONGEST_PATTERN:
+                raise LayerPatternError("the pattern would hold more layers than any model has")
+            return left + right
+        if isinstance(node.op, ast.Mult) and type(left) is type(right) is int:
+            return left * right
+        if isinstance(node.op, ast.Mult) and {type(left), type(right)} == {list, int}:
+            items, count = (left, right) if isinstance(left, list) else (right, left)
+            if len(items) * count > _LONGEST_PATTERN:
+                raise LayerPatternError(f"the pattern would hold {len(items) * count} layers, more than any model has")
+            return items * count
+        raise LayerPatternError("only list + list, list * count and integer + and * are allowed")
+    raise LayerPatternError(f"{type(node).__name__} is not allowed; write an integer or a list expression such as "
+                            f"([0]*3+[1]*5)")
+
+
+def parse_moe_layer_freq(value, num_layers: int) -> list[bool]:
+    """--moe-layer-freq (int, numeric string, list expression string, or list of 0/1) -> one bool per layer,
+    True for an MoE layer. Raises LayerPatternError with what to change."""
+    if isinstance(value, str):
+        if len(value) > _LONGEST_EXPRESSION:
+            raise LayerPatternError(f"the expression is longer than {_LONGEST_EXPRESSION} characters")
+        try:
+            tree = ast.parse(value.strip(), mode="eval").body
+        except SyntaxError:
+            raise LayerPatternError(f"{value!r} is neither an integer nor a list expression such as "
+                                    f"([0]*3+[1]*5)") from None
+        value = _evaluate(tree)
+    if isinstance(value, bool) or not isinstance(value, (int, list)):
+        raise LayerPatternError(f"{value!r} is neither an integer nor a list of 0s and 1s")
+    if isinstance(value, int):
+        if value < 1:
+            raise LayerPatternError(f"the frequency ({value}) must be at least 1")
+        return [layer % value == 0 for layer in range(num_layers)]
+    if any(isinstance(item, bool) or item not in (0, 1) for item in value):
+        raise LayerPatternError(f"the pattern may hold only 0 (dense) and 1 (MoE), got {sorted(set(value))}")
+    if len(value) != num_layers:
+        raise LayerPatternError(f"the pattern has {len(value)} entries for {num_layers} layers; give one per layer")
+    return [item == 1 for item in value]
+
+
+def moe_layer_pattern(config: ModelConfig) -> list[bool]:
+    """One bool per layer of the decoder, True where the layer's MLP is an MoE layer (all False without
+    --num-experts)."""
+    if not config.num_experts:
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, list):
+        return parse_moe_layer_freq(freq, config.num_layers)
+    return list(_parsed(freq, config.num_layers))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(freq: int | str, num_layers: int) -> tuple[bool, ...]:
+    """The planner asks once per layer and layout: each expression is read once."""
+    return tuple(parse_moe_layer_freq(freq, num_layers))
+
+
+def is_moe_layer(config: ModelConfig, layer_number: int) -> bool:
+    """Whether global layer `layer_number` (0-based) is an MoE layer."""
+    return moe_layer_pattern(config)[layer_number]
+
+
+def layer_pattern_problems(config: ModelConfig) -> list[str]:
+    """One line if --moe-layer-freq cannot be read for this model, else nothing."""
+    if not config.num_experts:
+        return []
+    try:
+        parse_moe_layer_freq(config.moe_layer_freq, config.num_layers)
+    except LayerPatternError as error:
+        return [f"--moe-layer-freq {config.moe_layer_freq!r}: {error}"]
+    return []

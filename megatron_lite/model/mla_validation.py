@@ -1,0 +1,72 @@
+"""Configuration checks of the DeepSeek-V3 architecture flags: multi-latent attention, YaRN and --moe-layer-freq.
+
+validation.py calls `mla_problems` with the value checks, before any check that builds on the layer pattern, so
+each problem is one line saying what to change, raised on every rank before a process group exists.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from megatron_lite.model.layer_pattern import layer_pattern_problems
+
+if TYPE_CHECKING:
+    from megatron_lite.config import Config, ModelConfig
+
+_MLA_SIZES = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+# flag: its value when unused, for a run without --multi-latent-attention
+_MLA_ONLY = {"q_lora_rank": None, "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _yarn_problems(m: ModelConfig) -> list[str]:
+    problems = []
+    if not m.rotary_scaling_factor > 0:
+        problems.append(f"rotary-scaling-factor ({m.rotary_scaling_factor}) must be positive")
+    for name in ("mscale", "mscale_all_dim"):
+        if not math.isfinite(getattr(m, name)) or getattr(m, name) < 0:
+            problems.append(f"{name.replace('_', '-')} ({getattr(m, name)}) must be a number of at least 0")
+    if m.yarn_original_max_position_embeddings < 1:
+        problems.append(f"yarn-original-max-position-embeddings ({m.yarn_original_max_position_embeddings}) must be "
+                        f"at least 1")
+    if not m.yarn_beta_fast > m.yarn_beta_slow > 0:
+        problems.append(f"yarn-beta-fast ({m.yarn_beta_fast}) must exceed yarn-beta-slow ({m.yarn_beta_slow}), and "
+                        f"both be positive")
+    return problems
+
+
+def _attention_problems(m: ModelConfig) -> list[str]:
+    problems = [f"{name.replace('_', '-')} ({getattr(m, name)}) must be at least 1" for name in _MLA_SIZES
+                if getattr(m, name) < 1]
+    if m.q_lora_rank is not None and m.q_lora_rank < 1:
+        problems.append(f"q-lora-rank ({m.q_lora_rank}) must be at least 1, or unset for no query latent")
+    if m.qk_pos_emb_head_dim % 2:
+        problems.append(f"RoPE needs an even qk-pos-emb-head-dim, got {m.qk_pos_emb_head_dim}")
+    if m.position_embedding_type != "rope":
+        problems.append("--multi-latent-attention needs --position-embedding-type rope (its decoupled RoPE key)")
+    if m.group_query_attention:
+        problems.append("--multi-latent-attention and --group-query-attention exclude each other (every head has "
+                        "its own keys, made from one shared latent); drop --group-query-attention")
+    if not m.disable_bias_linear or m.add_qkv_bias:
+        problems.append("multi-latent attention has no biases: pass --disable-bias-linear, without --add-qkv-bias")
+    if m.use_rope_scaling:
+        problems.append("--use-rope-scaling (Llama 3.1's) does not apply to multi-latent attention, whose RoPE is "
+                        "scaled by YaRN (--rotary-scaling-factor)")
+    return problems
+
+
+def mla_problems(config: Config) -> list[str]:
+    """One line per problem with --multi-latent-attention, the YaRN flags or --moe-layer-freq."""
+    m = config.model
+    problems = layer_pattern_problems(m)
+    if m.multi_latent_attention:
+        return problems + _attention_problems(m) + _yarn_problems(m)
+    unused = [_flag(name) for name, unused_value in _MLA_ONLY.items() if getattr(m, name) != unused_value]
+    if unused:
+        problems.append(f"{', '.join(unused)} apply to multi-latent attention only; pass --multi-latent-attention "
+                        f"or drop them")
+    return problems
