@@ -59,9 +59,10 @@ def forward_step(data_iterator, model):
     batch = get_batch_on_this_cp_rank(next(data_iterator), pstate)
     device = next(model.parameters()).device
     tokens, labels = batch["tokens"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     output = model(tokens, batch["position_ids"].to(device, non_blocking=True), labels=labels,
-                   document_ids=batch.get("document_ids"))
-    return output, partial(loss_func, batch["loss_mask"].to(device, non_blocking=True))
+                   document_ids=batch.get("document_ids"), loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
 
 
 def main(argv: list[str] | None = None) -> int:

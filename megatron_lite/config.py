@@ -169,6 +169,11 @@ class ModelConfig:
     """with --first-last-layers-bf16: layers at the start of the model kept out of FP8"""
     num_layers_at_end_in_bf16: int = 1
     """with --first-last-layers-bf16: layers at the end of the model kept out of FP8"""
+    # Multi-token prediction (model/mtp.py)
+    mtp_num_layers: int | None = None
+    """multi-token prediction depths after the last layer (DeepSeek-V3): depth k predicts token i + k + 1; unset: off"""
+    mtp_loss_scaling_factor: float = 0.1
+    """with --mtp-num-layers: the mean of the depths' cross-entropies, times this, is added to the training loss"""
     # Execution choices that change no numbers
     recompute_granularity: str | None = None
     """activation recomputation: full recomputes whole layers in backward (see --recompute-method), selective only the

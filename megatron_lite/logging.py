@@ -259,6 +259,8 @@ def format_line(r: dict, train_iters: int) -> str:
     if "time_forward_backward_ms" in r:
         parts.append("ms fwd-bwd/reduce/optim/data " + "/".join(
             f"{r[f'time_{phase}_ms']:.0f}" for phase in ("forward_backward", "grad_reduce", "optimizer", "data_wait")))
+    if "mtp_loss" in r:
+        parts.append(f"mtp loss {r['mtp_loss']:.6f}")
     if "moe_aux_loss" in r:
         parts.append(f"moe aux loss {r['moe_aux_loss']:.4g} | moe z loss {r['moe_z_loss']:.4g}")
     parts.append(f"mem {r['memory_gib']:.2f} GiB")

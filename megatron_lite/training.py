@@ -22,6 +22,7 @@ from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.logging import TrainingLogger
 from megatron_lite.model.moe import moe_metrics, update_expert_biases
+from megatron_lite.model.mtp import mtp_loss_totals, mtp_metrics
 from megatron_lite.model.sharding import initialization_skipped
 from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.distributed_optimizer import build_optimizer
@@ -266,6 +267,16 @@ def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> torch.Ten
     return totals[0] / totals[1]
 
 
+def reduce_mtp_losses(model, config: Config, pstate: ParallelState, device) -> list[torch.Tensor]:
+    """Per multi-token prediction depth, the token mean of its cross-entropy over the global batch of the step
+    just run (model/mtp.py), shared by every rank as reduce_loss's; [] without --mtp-num-layers."""
+    if not config.model.mtp_num_layers:
+        return []
+    totals = mappings.all_reduce(mtp_loss_totals(model, config.model, device), pstate.group("dp_cp"))
+    mappings.broadcast(totals, pstate.pp_ranks[-1], pstate.group("pp"))
+    return list(totals[:, 0] / totals[:, 1])
+
+
 def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,
                pstate: ParallelState, iteration: int, device, timers: PhaseTimers | None = None,
                consumed_samples: int | None = None, rerun: RerunStateMachine | None = None) -> dict:
@@ -291,9 +302,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
         fingerprint = rank_fingerprint(reports, model, device) if rerun.names_faulty_ranks else None
         with timers.phase("grad_reduce"):
             finalize_model_grads(model, pstate, tokens)
+        mtp_losses = reduce_mtp_losses(model, config, pstate, device)
         with timers.phase("optimizer"):
             grad_norm = optimizer.prepare_grads()
-            lm_loss, grad_norm = torch.stack([reduce_loss(reports, pstate, device), grad_norm]).tolist()  # one sync
+            lm_loss, grad_norm, *mtp_losses = torch.stack(  # one sync
+                [reduce_loss(reports, pstate, device), grad_norm, *mtp_losses]).tolist()
         if not rerun.should_rerun(Result(lm_loss, grad_norm, fingerprint), iteration, model, device, data_iterator):
             break
     with timers.phase("optimizer"):
@@ -302,8 +315,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
         update_expert_biases(model, pstate, config)
     # logged as Megatron logs it: the scheduler's rate after the step, the one the next iteration uses
     next_lr = learning_rate(config, consumed_samples + global_batch_size)
-    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "lr": next_lr, "global_batch_size": global_batch_size,
-            "loss_scale": optimizer.loss_scale, "skipped_iter": int(not update_successful)}
+    return {"lm_loss": lm_loss, **(mtp_metrics(mtp_losses) if mtp_losses else {}), "grad_norm": grad_norm,
+            "lr": next_lr, "global_batch_size": global_batch_size, "loss_scale": optimizer.loss_scale,
+            "skipped_iter": int(not update_successful)}
 
 
 @torch.no_grad()

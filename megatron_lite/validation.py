@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from megatron_lite.errors import UserError
 from megatron_lite.model.layer_pattern import moe_layer_pattern
 from megatron_lite.model.mla_validation import mla_problems
+from megatron_lite.model.mtp_validation import mtp_problems
 from megatron_lite.optim.muon_validation import muon_problems
 from megatron_lite.pipeline.layer_split import pipeline_stage_layers
 
@@ -31,7 +32,7 @@ def validate(config: Config, world_size: int) -> None:
     if not problems:  # the checks below divide by sizes that must first be known to be positive
         problems = (_layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
                     + _schedule_problems(config) + _profile_problems(config, world_size)
-                    + _fp8_problems(config))
+                    + _fp8_problems(config) + mtp_problems(config))
     if problems:
         raise ConfigError("; ".join(problems))
 

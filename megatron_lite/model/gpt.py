@@ -4,7 +4,9 @@ One class covers GPT-2 (LayerNorm, GELU, learned positions, biases, tied embeddi
 (RMSNorm, SwiGLU, RoPE, GQA, untied, no biases) by configuration. A model chunk may hold any
 contiguous range of layers, with the embedding only on the first pipeline stage (`pre_process`) and
 the output layer only on the last (`post_process`); the pipeline schedule feeds the others through
-`set_input_tensor`. Parameters have global names (`decoder.layers.<global index>...`) that decide
+`set_input_tensor`. With --mtp-num-layers the last stage also holds the multi-token prediction modules
+(model/mtp.py) and, under pipeline parallelism, a copy of the first stage's embedding for them.
+Parameters have global names (`decoder.layers.<global index>...`) that decide
 their initial values and their checkpoint keys, so neither depends on the layout. GPTModel is a model
 chunk as model/contract.py defines one.
 """
@@ -17,6 +19,7 @@ import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention import Documents, Positions, choose_attention_backend, rotary_embedding
+from megatron_lite.model.mtp import MultiTokenPrediction
 from megatron_lite.model.sharding import ShardSpec, initialize_parameters, new_parameter
 from megatron_lite.model.tensor_parallel import (
     ColumnParallelLinear,
@@ -35,16 +38,17 @@ class Embedding(torch.nn.Module):
     """Word embeddings (vocab-parallel) plus learned absolute positions when configured, then dropout."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, padded_vocab: int, *,
-                 sequence_parallel: bool, rng_tracker: RNGTracker | None):
+                 sequence_parallel: bool, rng_tracker: RNGTracker | None, tied_copy: bool = False):
+        """`tied_copy`: the last pipeline stage's copy of the first stage's tables (ShardSpec.tied_copy)."""
         super().__init__()
         self.pstate = pstate
         self.sequence_parallel = sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(padded_vocab, config.vocab_size, config.hidden_size,
-                                                      pstate, sequence_parallel=sequence_parallel)
+                                                      pstate, sequence_parallel=sequence_parallel, tied_copy=tied_copy)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             spec = ShardSpec((config.max_position_embeddings, config.hidden_size),
-                             sequence_parallel=sequence_parallel)
+                             sequence_parallel=sequence_parallel, tied_copy=tied_copy)
             self.position_embeddings = new_parameter(spec, 1)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
 
@@ -74,14 +78,16 @@ class GPTModel(torch.nn.Module):
         self.layer_offset = layer_offset
         self.sequence_parallel = sequence_parallel
         self.share_embeddings = not config.untie_embeddings_and_output_weights
+        self.has_mtp = post_process and bool(config.mtp_num_layers)
+        has_embedding = pre_process or self.has_mtp
         self.input_tensor = None
         num_layers = config.num_layers if num_layers is None else num_layers
         self.rng_tracker = tracker = RNGTracker(seed, pstate.tp_rank, pstate.pp_rank, device, layer_offset)
         backend = choose_attention_backend(config.attention_backend, device)
         with device:  # parameters and buffers are made where they live, not on the host and then copied
-            if pre_process:
+            if has_embedding:
                 self.embedding = Embedding(config, pstate, padded_vocab, sequence_parallel=sequence_parallel,
-                                           rng_tracker=tracker)
+                                           rng_tracker=tracker, tied_copy=not pre_process)
             self.rotary = rotary_embedding(config) if config.position_embedding_type == "rope" else None
             layers = []
             for number in range(layer_offset, layer_offset + num_layers):
@@ -94,8 +100,11 @@ class GPTModel(torch.nn.Module):
             if post_process:  # with tied embeddings: reads the input table, or holds a copy of the first stage's
                 self.output_layer = ColumnParallelLinear(
                     config.hidden_size, padded_vocab, pstate, bias=False, sequence_parallel=sequence_parallel,
-                    valid_rows=config.vocab_size, skip_weight_param_allocation=self.share_embeddings and pre_process,
-                    tied_copy=self.share_embeddings and not pre_process)
+                    valid_rows=config.vocab_size, skip_weight_param_allocation=self.share_embeddings and has_embedding,
+                    tied_copy=self.share_embeddings and not has_embedding)
+            self.mtp = (MultiTokenPrediction(config, pstate, sequence_parallel=sequence_parallel,
+                                             attention_backend=backend, rng_tracker=tracker, cp_comm_type=cp_comm_type)
+                        if self.has_mtp else None)
         initialize_parameters(self.named_global_parameters(), seed, config.init_method_std, config.num_layers,
                               pstate.tp_rank, pstate.tp_size)
 
@@ -123,10 +132,16 @@ class GPTModel(torch.nn.Module):
                 yield self.global_name(name), buffer
 
     def shared_embedding_parameters(self) -> list[torch.nn.Parameter]:
-        """Parameters kept equal between the first and last pipeline stage (tied embeddings)."""
-        if not self.share_embeddings or self.pre_process == self.post_process:
+        """Parameters kept equal between the first and last pipeline stage, in the same order on both: the word
+        embeddings when the output layer is tied to them or multi-token prediction reads them, and the learned
+        positions too for multi-token prediction."""
+        if self.pre_process == self.post_process:
             return []
-        return [self.embedding.word_embeddings.weight if self.pre_process else self.output_layer.weight]
+        if self.pre_process and not self.config.mtp_num_layers or self.post_process and not self.has_mtp:
+            tied = self.embedding.word_embeddings.weight if self.pre_process else self.output_layer.weight
+            return [tied] if self.share_embeddings else []
+        positions = self.embedding.position_embeddings
+        return [self.embedding.word_embeddings.weight] + ([positions] if positions is not None else [])
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Activations from the previous pipeline stage, used instead of the embedding."""
@@ -141,11 +156,14 @@ class GPTModel(torch.nn.Module):
     # ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor,
                 labels: torch.Tensor | None = None, inference_params=None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, labels [b, s]; position_ids [s] or [b, s]: the positions of this rank's tokens (with context
         parallelism s is the local s/cp, two load-balanced chunks; see get_batch_on_this_cp_rank).
         document_ids [b, s] (--reset-attention-mask; on the host, over the whole sequence even with context
         parallelism): each token's document, within which alone it attends (attention.Documents).
+
+        loss_mask [b, s] (default: every token) weighs the multi-token prediction loss, which a training forward
+        with labels attaches to the backward of the returned loss (model/mtp.py).
 
         Returns the per-token loss [b, s] on the last stage when labels are given, this rank's vocab
         slice of the logits [b, s, v/tp] when not, and the hidden states [s(/tp), b, h] elsewhere.
@@ -159,6 +177,10 @@ class GPTModel(torch.nn.Module):
         if not self.post_process:
             return x
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        if self.mtp is not None and labels is not None and self.training:
+            x = self.mtp(x, input_ids, position_ids, positions, labels,
+                         torch.ones_like(labels) if loss_mask is None else loss_mask, self.embedding,
+                         lambda hidden: self.output_layer(hidden, weight))
         logits = self.output_layer(x, weight)  # [s, b, v/tp]
         if labels is None:
             return logits.transpose(0, 1)

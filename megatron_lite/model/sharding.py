@@ -32,8 +32,9 @@ class ShardSpec:
                    parallelism, and the q/k norms of --qk-layernorm, which see only the rank's heads
     expert         an expert weight: gradients are reduced over the expert-data-parallel group
     valid_rows     rows beyond this index are vocabulary padding, initialized to zero and never used
-    tied_copy      the last pipeline stage's copy of tied word embeddings: kept equal to the first stage's
-                   table, which alone counts it (in the gradient norm)
+    tied_copy      the last pipeline stage's copy of tied word embeddings (or of the embedding tables that
+                   multi-token prediction reads): kept equal to the first stage's table, which alone counts it
+                   (in the gradient norm)
     """
 
     global_shape: tuple[int, ...]

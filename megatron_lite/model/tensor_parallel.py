@@ -101,15 +101,15 @@ class VocabParallelEmbedding(torch.nn.Module):
     """
 
     def __init__(self, padded_vocab_size: int, vocab_size: int, hidden_size: int, pstate: ParallelState,
-                 *, sequence_parallel: bool = False):
+                 *, sequence_parallel: bool = False, tied_copy: bool = False):
         super().__init__()
         self.tp_group = pstate.group("tp")
         self.sequence_parallel = sequence_parallel
         rows = padded_vocab_size // pstate.tp_size
         self.vocab_start = pstate.tp_rank * rows
         self.vocab_end = self.vocab_start + rows
-        self.weight = new_parameter(
-            ShardSpec((padded_vocab_size, hidden_size), tp_dim=0, valid_rows=vocab_size), pstate.tp_size)
+        self.weight = new_parameter(ShardSpec((padded_vocab_size, hidden_size), tp_dim=0, valid_rows=vocab_size,
+                                              tied_copy=tied_copy), pstate.tp_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[b, s] token ids -> [s, b, h] (or [s/tp, b, h] with sequence parallelism)."""

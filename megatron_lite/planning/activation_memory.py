@@ -40,11 +40,13 @@ free (_backward_gradients); on a single stage with tied embeddings the output la
 for the embedding's. ZeRO-2/3 add their temporary buffers (_zero_buffers): a bucket's fp32 gradients while it
 fills, and under ZeRO-3 the gathered parameters of the chunk's own unit and of the layer in use. FP8
 (--fp8-format) adds the quantization buffers of its widest GEMM to both peaks (fp8_gemm_bytes); tensorwise FP8
-saves a linear's input in 1 byte where e is counted above, so its saved bytes are an upper bound.
+saves a linear's input in 1 byte where e is counted above, so its saved bytes are an upper bound. The last stage
+adds the multi-token prediction modules' saved tensors (mtp_bytes) to its head's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_lite.config import Config
@@ -128,6 +130,21 @@ def head_bytes(config: Config) -> tuple[int, int]:
     return saved, tokens * e * vocab
 
 
+def mtp_bytes(config: Config) -> int:
+    """Bytes one micro-batch saves in the multi-token prediction modules (model/mtp.py), 0 without them: per depth
+    the shifted token ids and labels, its two input norms, the projection's input e 2h (the whole sequence under
+    sequence parallelism), a dense transformer layer (never recomputed), and a head as the main one's."""
+    m = config.model
+    if not m.mtp_num_layers:
+        return 0
+    e = param_bytes(config)
+    tokens, stream = _tokens(config)
+    dense = dataclasses.replace(config, model=dataclasses.replace(m, num_experts=None))
+    per_depth = (2 * tokens * INDEX + 2 * stream * _norm_bytes(config, e) + tokens * e * 2 * m.hidden_size
+                 + layer_bytes(dense, 0) + head_bytes(config)[0])
+    return m.mtp_num_layers * per_depth
+
+
 def _tied_weight_gradient(config: Config, chunks) -> int:
     """A stage that holds both the embedding and the output layer with tied weights (one pipeline stage) uses
     the table twice; autograd sums the two gradients before accumulating the parameter's, so the output
@@ -198,6 +215,7 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
             # In fp32 the first norm's input is the unit's input itself, already held.
             rebuild = max(rebuild, unit * max(layers) - (stream * e * m.hidden_size if e == FP32 else 0))
     head_saved, head_transient = head_bytes(config) if chunks[-1].post_process else (0, 0)
+    head_saved += mtp_bytes(config) if chunks[-1].post_process else 0
     per_microbatch = sum(chunk_saved) + head_saved
     v = len(chunks)
     if schedule == "gpipe":

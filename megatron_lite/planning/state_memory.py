@@ -23,6 +23,7 @@ buffer and, for bf16/fp16 weights, a copy in the weight's dtype; the device keep
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_lite.config import Config
@@ -141,18 +142,32 @@ def chunk_params(config: Config, chunk: ChunkPlan) -> list[ParamShape]:
     vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
     tied = not m.untie_embeddings_and_output_weights
     split_tied = tied and chunk.pre_process != chunk.post_process
+    split_mtp = bool(m.mtp_num_layers) and chunk.pre_process != chunk.post_process  # tables tied to the other end
+    mtp = chunk.post_process and bool(m.mtp_num_layers)
     params = []
-    if chunk.pre_process:
+    if chunk.pre_process or mtp:  # multi-token prediction reads the embedding: the last stage holds a copy
         if m.position_embedding_type == "learned_absolute":  # the Embedding's own parameter, before its child's
-            params.append(ParamShape(m.max_position_embeddings * m.hidden_size))
-        params.append(ParamShape(vocab_rows * m.hidden_size, isolated=split_tied))
+            params.append(ParamShape(m.max_position_embeddings * m.hidden_size, isolated=split_mtp))
+        params.append(ParamShape(vocab_rows * m.hidden_size, isolated=split_tied or split_mtp))
     for index in range(chunk.num_layers):
         params += _layer_params(config, chunk.layer_offset + index, index)
     if chunk.post_process:
         params += [ParamShape(n) for n in _norm(config, m.hidden_size)]
-        if not (tied and chunk.pre_process):  # one stage with tied embeddings: the output reads the input table
+        if not (tied and (chunk.pre_process or mtp)):  # tied embeddings: the output reads this stage's table
             params.append(ParamShape(vocab_rows * m.hidden_size, isolated=split_tied))
+    if mtp:
+        params += mtp_layer_params(config) * m.mtp_num_layers
     return params
+
+
+def mtp_layer_params(config: Config) -> list[ParamShape]:
+    """One multi-token prediction module's parameters (model/mtp.py): two norms, the 2h -> h projection (split
+    over TP by output rows, a hidden matrix for Muon), a transformer layer with a dense MLP, and its final norm."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    dense = dataclasses.replace(config, model=dataclasses.replace(m, num_experts=None))
+    norms = [ParamShape(n) for n in _norm(config, m.hidden_size)]
+    projection = ParamShape(m.hidden_size // tp * 2 * m.hidden_size, muon=True)
+    return [*norms, *norms, projection, *_layer_params(dense, 0, -1), *norms]
 
 
 def _cut_buckets(params: list[ParamShape], bucket_size: int, zero3: bool) -> list[list[ParamShape]]:

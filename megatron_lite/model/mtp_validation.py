@@ -1,0 +1,28 @@
+"""Configuration checks of multi-token prediction (model/mtp.py), run by validation.validate before any process
+group exists: one line per problem, saying what to change."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_lite.config import Config
+
+
+def mtp_problems(config: Config) -> list[str]:
+    """What --mtp-num-layers and --mtp-loss-scaling-factor cannot be given, or not with what else is set."""
+    m = config.model
+    problems = []
+    factor = m.mtp_loss_scaling_factor
+    if not (math.isfinite(factor) and factor >= 0):
+        problems.append(f"--mtp-loss-scaling-factor must be a finite number >= 0 (got {factor})")
+    if m.mtp_num_layers is None:
+        return problems
+    if m.mtp_num_layers < 1:
+        problems.append(f"--mtp-num-layers must be at least 1 (got {m.mtp_num_layers}); leave it unset for no "
+                        f"multi-token prediction")
+    if config.parallel.context_parallel_size > 1:
+        problems.append("--mtp-num-layers is not built with --context-parallel-size > 1 (the shifted tokens and "
+                        "labels would cross the context-parallel ranks' chunks); use --context-parallel-size 1")
+    return problems
