@@ -2,8 +2,9 @@
 and DeepSeek-V3 softmax scale; with and without a query latent, one forward and backward at TP2 and TP2 + SP
 equals one process (logits and the gradient of every parameter, so the replicated down-projections' and latent
 norms' gradients are summed over TP), and so does training under TP2 + SP (selective recomputation), PP2 (full
-recomputation) and CP2 (p2p and a2a, V padded); the planner's parameter bytes are the built model's; model FLOPs
-are the matmuls torch counts; and misconfigurations are one line. (Logits against transformers' DeepseekV3ForCausalLM
+recomputation) and CP2 (p2p, all-gather and a2a, V padded); the planner's activation bytes per token are what
+autograd saves (its parameter bytes: test_deepseek_v3.py); model FLOPs are the matmuls torch counts; and
+misconfigurations are one line. (Logits against transformers' DeepseekV3ForCausalLM
 are in test_deepseek_v3.py.)"""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from megatron_lite.model.attention import rotary_embedding
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.yarn import YarnScaling
 from megatron_lite.parallel.state import Layout, ParallelState
+from megatron_lite.planning.activation_memory import latent_attention_bytes
 from megatron_lite.validation import ConfigError
 from tests.harness import run_on_ranks
 from tests.helpers import SMALL, TINY_2_LAYERS, forward_backward, reference, train_and_collect
@@ -40,6 +42,7 @@ TRAIN_LAYOUTS = {  # on 2 ranks
                                    "recompute_granularity": "selective"},
     "pp2_full_recompute": {"pipeline_model_parallel_size": 2, "recompute_granularity": "full"},
     "cp2_p2p": {"context_parallel_size": 2, "cp_comm_type": "p2p"},
+    "cp2_allgather": {"context_parallel_size": 2, "cp_comm_type": "allgather"},
     "cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
 }
 
@@ -121,6 +124,40 @@ def test_flops_per_token_are_the_matmuls_torch_counts():
             # the full square of QK^T over 4 heads of 24 dimensions and of PV over 12, forward + 2x backward
             counted += 3 * m.num_layers * 2 * m.seq_length * 4 * (24 + 12)
         assert training_flops_per_token(m) == pytest.approx(counted, rel=1e-12)
+
+
+def _saved_bytes(attention, x, positions, skip: set) -> int:
+    """Bytes of the distinct storages autograd saves in one forward of `attention`, but those in `skip`."""
+    saved = {}
+
+    def pack(tensor):
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in skip:
+            saved[pointer] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        attention(x, positions)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("values", [MLA, NO_Q_LATENT], ids=["q_latent", "no_q_latent"])
+def test_planned_activation_bytes_per_token_are_what_autograd_saves(values, bf16):
+    """With the core attention recomputed (selective) it saves only its inputs, so what the kernel itself keeps
+    (the CPU's math path: the probabilities) is left out; two sequence lengths cancel what does not grow with it
+    (the norms' fp32 weight copies)."""
+    config = make_config({**values, "bf16": bf16, "recompute_granularity": "selective"})
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = GPTModel(config.model, ParallelState.single(), padded_vocab=config.model.vocab_size, seed=1).to(dtype)
+    attention = model.train().decoder.layers[0].self_attention
+    measured = []
+    for seq in (16, 32):
+        x = torch.randn(seq, 2, config.model.hidden_size, dtype=dtype, requires_grad=True)
+        positions = model.rotary(torch.arange(seq))
+        skip = {t.untyped_storage().data_ptr() for t in (x, positions.cos, positions.sin, *model.parameters())}
+        measured.append(_saved_bytes(attention, x, positions, skip))
+    assert (measured[1] - measured[0]) / (16 * 2) == latent_attention_bytes(config)
 
 
 @pytest.mark.parametrize(("values", "message"), [

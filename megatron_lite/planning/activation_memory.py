@@ -42,6 +42,16 @@ fills, and under ZeRO-3 the gathered parameters of the chunk's own unit and of t
 (--fp8-format) adds the quantization buffers of its widest GEMM to both peaks (fp8_gemm_bytes); tensorwise FP8
 saves a linear's input in 1 byte where e is counted above, so its saved bytes are an upper bound. The last stage
 adds the multi-token prediction modules' saved tensors (mtp_bytes) to its head's.
+
+Multi-latent attention (model/mla.py) saves instead of QKV's tensors, with nh local heads: its input e h; per
+latent (query, with --q-lora-rank, and key/value) the norm's (as the norms above) and the up-projection's input
+e r (in fp32 the key/value norm's input is a view that keeps the whole down-projection output); the query and
+the key of e nh (qk_head_dim + qk_pos_emb_head_dim) each; the up-projection's
+output e nh (qk_head_dim + v_head_dim), which the value heads keep alive (with padded heads, the padded value
+e nh max(dims) instead); the attention output e nh v_head_dim and the log-sum-exp. These are the tensors fused
+kernels save; the CPU's SDPA math path (different query-key and value head sizes) also saves the [s, s]
+probabilities, so tests/test_mla.py checks the formula against the tensors autograd saves with the core attention
+recomputed (selective), which saves only its inputs; the kernels' own saves are not checked.
 """
 
 from __future__ import annotations
@@ -81,6 +91,21 @@ def _norm_bytes(config: Config, e: int) -> int:
     return 8 * h + FP32 if config.model.normalization == "RMSNorm" else e * h + 2 * FP32
 
 
+def latent_attention_bytes(config: Config) -> int:
+    """Bytes per token multi-latent attention saves beyond its input (module docstring)."""
+    m, p = config.model, config.parallel
+    e, nh = param_bytes(config), m.num_attention_heads // p.tensor_model_parallel_size
+    q_dim = m.qk_head_dim + m.qk_pos_emb_head_dim
+    ranks = [m.kv_lora_rank] + ([m.q_lora_rank] if m.q_lora_rank is not None else [])
+    norm = (lambda r: 2 * FP32 * r + FP32) if m.normalization == "RMSNorm" else (lambda r: e * r + 2 * FP32)
+    latents = sum((norm(r) if m.qk_layernorm else 0) + e * r for r in ranks)
+    if m.qk_layernorm and e == FP32:  # the key/value latent's norm input is a view of the down-projection's output
+        latents += FP32 * m.qk_pos_emb_head_dim
+    padded = q_dim != m.v_head_dim and (p.context_parallel_size > 1 or m.attention_backend == "flash")
+    values = max(q_dim, m.v_head_dim) if padded else m.qk_head_dim + m.v_head_dim
+    return latents + e * nh * (2 * q_dim + values + m.v_head_dim)
+
+
 def layer_bytes(config: Config, layer_number: int) -> int:
     """Bytes one micro-batch saves in one transformer layer without recomputation."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
@@ -88,10 +113,13 @@ def layer_bytes(config: Config, layer_number: int) -> int:
     tokens, stream = _tokens(config)
     h, d, nh, ng = m.hidden_size, m.head_dim, m.num_attention_heads // tp, m.num_query_groups // tp
     per_token = e * h  # QKV input
-    per_token += e * (nh + 2 * ng) * d  # QKV output
-    per_token += e * (nh + ng) * d if m.position_embedding_type == "rope" else e * nh * d
     lse = 0 if m.recompute_granularity == "selective" else FP32 * nh
-    per_token += e * nh * d + lse
+    if m.multi_latent_attention:
+        per_token += latent_attention_bytes(config) + lse
+    else:
+        per_token += e * (nh + 2 * ng) * d  # QKV output
+        per_token += e * (nh + ng) * d if m.position_embedding_type == "rope" else e * nh * d
+        per_token += e * nh * d + lse
     per_token += e * h  # fc1 input
     moe = is_moe_layer(m, layer_number)
     ffn = m.moe_ffn_hidden_size * m.moe_router_topk if moe else m.ffn_hidden_size
@@ -202,7 +230,8 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
         saved = sum(size for size, again in zip(layers, recomputed) if not again)
         saved += _unit_inputs(config, chunk.num_layers) * stream * e * m.hidden_size
         if m.position_embedding_type == "rope":  # each chunk's cos and sin tables, [s/cp, 1, 1, d] fp32
-            saved += 2 * FP32 * (m.seq_length // p.context_parallel_size) * m.head_dim
+            rotated = m.qk_pos_emb_head_dim if m.multi_latent_attention else m.head_dim
+            saved += 2 * FP32 * (m.seq_length // p.context_parallel_size) * rotated
         if chunk.pre_process:
             saved += tokens * INDEX
         elif e != FP32:  # the received bf16/fp16 input, beside the fp32 copy the first norm saves
@@ -317,8 +346,13 @@ def weight_pass_bytes(config: Config, chunk) -> int:
     total = 0
     for layer_number in range(chunk.layer_offset, chunk.layer_offset + chunk.num_layers):
         size = 2 * stream * norm * h  # input and pre-MLP norms
-        size += tokens * e * ((nh + 2 * ng) * d + h)  # QKV and output projection
-        if m.qk_layernorm:
+        if m.multi_latent_attention:  # the gradients of every projection's output
+            q_width = nh * (m.qk_head_dim + m.qk_pos_emb_head_dim) + (m.q_lora_rank or 0)
+            size += tokens * e * (q_width + m.kv_lora_rank + m.qk_pos_emb_head_dim
+                                  + nh * (m.qk_head_dim + m.v_head_dim) + h)
+        else:
+            size += tokens * e * ((nh + 2 * ng) * d + h)  # QKV and output projection
+        if m.qk_layernorm and not m.multi_latent_attention:
             size += tokens * norm * (nh + ng) * d
         moe = is_moe_layer(m, layer_number)
         if moe:
