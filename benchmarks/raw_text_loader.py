@@ -1,14 +1,19 @@
 """Raw-text loader throughput: tokens/s one loader worker delivers against the tokenizer's own encode rate on one
 core, and the workers a Llama-3.2-1B run on one H200 at 50% MFU would need.
 
-The corpus is synthetic English-like text (Zipf-distributed words), the tokenizer a byte-level BPE trained on
-it with the `tokenizers` library (vocabulary --vocab-size), saved as a tokenizer.json and read through
---tokenizer-type HuggingFaceTokenizer as a training run reads it. Both rates use one thread
-(RAYON_NUM_THREADS=1). The loader is a RawTextDataset with one worker process, read to the end of its
-samples in the main process, as build_data_iterator reads it; its rate is tokens delivered per wall second.
-The tokens per second a run consumes are peak x MFU / training_flops_per_token (megatron_lite/logging.py).
+The corpus is synthetic English-like text (Zipf-distributed words), or the texts of a JSON-lines file
+(--corpus, e.g. data/shakespeare.jsonl); the tokenizer a byte-level BPE trained on it with the `tokenizers`
+library (vocabulary --vocab-size), saved as a tokenizer.json and read through --tokenizer-type
+HuggingFaceTokenizer as a training run reads it. Both rates use one thread (RAYON_NUM_THREADS=1). The
+loader is a RawTextDataset with one worker process, read to the end of one epoch of samples in the main
+process, as build_data_iterator reads it; its rate is tokens delivered per wall second, the worker's
+start-up included, beside the worker's own rate (tokens per second it spent reading and tokenizing, what
+the training log line reports). The tokens per second a run
+consumes are peak x MFU / training_flops_per_token (megatron_lite/logging.py). On a shared machine both
+rates fall with its load, which varies within seconds: the two are measured in turn --repeats times and
+the best of each kept, and the load averages before and after are recorded.
 
-    python -m benchmarks.raw_text_loader [--documents 4000] [--vocab-size 8000]
+    python -m benchmarks.raw_text_loader [--documents 4000] [--corpus FILE.jsonl] [--vocab-size 8000] [--repeats 3]
 """
 
 import argparse
@@ -33,9 +38,14 @@ from megatron_lite.logging import peak_tflops_of, training_flops_per_token  # no
 from megatron_lite.presets import MODEL_PRESETS  # noqa: E402
 
 SEQ_LENGTH, MFU = 8192, 0.5
+CHUNK_BYTES = 2**20  # --raw-text-chunk-mib 1: a few chunks for the prefetch to work ahead on
 
 
-def write_corpus(folder: str, documents: int) -> tuple[str, list[str]]:
+def write_corpus(folder: str, documents: int, corpus: str | None) -> tuple[str, list[str]]:
+    if corpus is not None:
+        with open(corpus) as f:
+            texts = [json.loads(line)["text"] for line in f if line.strip()][:documents]
+        return _write_jsonl(folder, texts), texts
     rng = np.random.default_rng(0)
     letters = np.array(list("etaoinshrdlucmfwypvbgkqjxz"))
     words = ["".join(rng.choice(letters, size=rng.integers(1, 10))) for _ in range(20000)]
@@ -44,11 +54,15 @@ def write_corpus(folder: str, documents: int) -> tuple[str, list[str]]:
     lengths = rng.integers(200, 1200, size=documents)
     drawn = iter(rng.choice(len(words), size=int(lengths.sum()), p=weights).tolist())
     texts = [" ".join(words[next(drawn)] for _ in range(n)) + "." for n in lengths]
+    return _write_jsonl(folder, texts), texts
+
+
+def _write_jsonl(folder: str, texts: list[str]) -> str:
     path = os.path.join(folder, "corpus.jsonl")
     with open(path, "w") as f:
         for text in texts:
             f.write(json.dumps({"text": text}) + "\n")
-    return path, texts
+    return path
 
 
 def train_tokenizer(folder: str, texts: list[str], vocab_size: int) -> str:
@@ -70,35 +84,53 @@ def encode_rate(spec: TokenizerSpec, texts: list[str]) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def loader_rate(path: str, spec: TokenizerSpec, tokens_in_corpus: int) -> float:
+def loader_rates(path: str, spec: TokenizerSpec, tokens_in_corpus: int) -> tuple[float, float, float]:
+    """(tokens delivered per wall second, start-up included; the worker's own tokens per second of reading and
+    tokenizing, the figure the training log reports; seconds to the first sample)."""
     samples = tokens_in_corpus // SEQ_LENGTH - 1  # one epoch
-    dataset = RawTextDataset([(path, list_chunks(path, 2**20))], None, samples, SEQ_LENGTH, 1234, "text", spec,
-                             workers=1, skip_bad_records=0)
+    dataset = RawTextDataset([(path, list_chunks(path, CHUNK_BYTES))], None, samples, SEQ_LENGTH, 1234, "text",
+                             spec, workers=1, skip_bad_records=0)
     start = time.perf_counter()
-    delivered = sum(len(sample) - 1 for _, sample in dataset.samples(0))
-    return delivered / (time.perf_counter() - start)
+    stream = dataset.samples(0)
+    delivered = len(next(stream)[1]) - 1
+    first = time.perf_counter()
+    delivered += sum(len(sample) - 1 for _, sample in stream)
+    return delivered / (time.perf_counter() - start), dataset.loader_tokens_per_sec(), first - start
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--documents", type=int, default=4000)
+    parser.add_argument("--documents", type=int, default=4000, help="documents (of --corpus: at most)")
+    parser.add_argument("--corpus", help="a JSON-lines file whose 'text' values are the corpus (default: synthetic)")
     parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--repeats", type=int, default=3, help="measurements of each rate, the best kept")
     args = parser.parse_args(argv[1:])
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as folder:
-        path, texts = write_corpus(folder, args.documents)
+        path, texts = write_corpus(folder, args.documents, args.corpus)
         spec = TokenizerSpec("HuggingFaceTokenizer", train_tokenizer(folder, texts, args.vocab_size), None)
-        encode = encode_rate(spec, texts)
         tokens = sum(len(t) for t in [spec.build().tokenize(x) for x in texts]) + len(texts)
-        loader = loader_rate(path, spec, tokens)
+        encodes, loaders = [], []
+        for _ in range(args.repeats):
+            encodes.append(encode_rate(spec, texts))
+            loaders.append(loader_rates(path, spec, tokens))
+        encode = max(encodes)
+        loader, worker, startup = max(loaders)
     model = ModelConfig(**{k: v for k, v in MODEL_PRESETS["llama3.2-1b"].items() if hasattr(ModelConfig, k)})
     model.seq_length = SEQ_LENGTH
     flops = training_flops_per_token(model)
     needed = MFU * peak_tflops_of("H200") * 1e12 / flops
-    figures = {"documents": args.documents, "corpus_tokens": tokens, "vocab_size": args.vocab_size,
+    figures = {"corpus": args.corpus or "synthetic", "documents": len(texts), "corpus_tokens": tokens,
+               "vocab_size": args.vocab_size,
                "seq_length": SEQ_LENGTH, "tokenizer_encode_tokens_per_s_one_core": round(encode),
                "loader_tokens_per_s_one_worker": round(loader), "loader_vs_encode": round(loader / encode, 3),
+               "loader_worker_own_tokens_per_s": round(worker), "worker_own_vs_encode": round(worker / encode, 3),
+               "loader_seconds_to_first_sample": round(startup, 2), "repeats": args.repeats,
+               "encode_tokens_per_s_each": [round(r) for r in encodes],
+               "loader_tokens_per_s_each": [round(r[0]) for r in loaders],
                "llama3.2_1b_training_flops_per_token": flops, "h200_peak_tflops": peak_tflops_of("H200"),
-               "tokens_per_s_at_50pct_mfu": round(needed), "workers_needed": math.ceil(needed / loader)}
+               "tokens_per_s_at_50pct_mfu": round(needed), "workers_needed": math.ceil(needed / loader),
+               "load_average_1min_before_after": [round(load_before[0], 1), round(os.getloadavg()[0], 1)]}
     for key, value in figures.items():
         print(f"{key}: {value}")
     record_result("raw_text_loader", figures, argv)
