@@ -29,6 +29,7 @@ from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
+from megatron_lite.optim.schedule_validation import schedule_warnings
 from megatron_lite.output_paths import check_written_locations
 from megatron_lite.parallel import lifecycle, mappings
 from megatron_lite.parallel.random import set_random_seed
@@ -44,7 +45,7 @@ from megatron_lite.rerun_state_machine import (
     rank_fingerprint,
 )
 from megatron_lite.timers import PhaseTimers
-from megatron_lite.validation import ConfigError, schedule_warnings
+from megatron_lite.validation import ConfigError
 
 
 def resolve_device(requested: str) -> torch.device:
