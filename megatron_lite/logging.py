@@ -38,7 +38,8 @@ def training_flops_per_token(config: ModelConfig) -> float:
     token visits and the shared expert, output layer) plus the attention scores and weighted sum,
     2 * 2 * seq * hidden per layer (the full square, as Megatron counts it; heads x head size stands for
     hidden where --kv-channels sets another head size; with multi-latent attention its projections, and
-    2 * seq * heads * (query-key + value head dims)). Backward costs twice the forward. Activation
+    2 * seq * heads * (query-key + value head dims)); each multi-token prediction depth adds its 2h -> h
+    projection, a layer with a dense MLP and the output layer. Backward costs twice the forward. Activation
     recomputation is not counted: it is work the hardware does, not work the model needs, so MFU stays
     comparable between runs with and without it.
     """
@@ -61,6 +62,9 @@ def training_flops_per_token(config: ModelConfig) -> float:
     else:
         mlp_weights = L * dense_mlp
     forward = 2 * (L * attention_weights + mlp_weights + h * config.vocab_size) + L * attention_square
+    if config.mtp_num_layers:
+        depth = 2 * (2 * h * h + attention_weights + dense_mlp + h * config.vocab_size) + attention_square
+        forward += config.mtp_num_layers * depth
     return forward * 3
 
 

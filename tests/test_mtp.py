@@ -14,6 +14,7 @@ from megatron_lite.pipeline import schedules
 from megatron_lite.training import padded_vocab_for
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_2_LAYERS, join_shards, parameter_records, pretrain_keeping_chunks
+from tests.test_deepseek_v3 import PLANNED
 from tests.tolerances import assert_close_relative
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -23,6 +24,11 @@ LLAMA = {**TINY_2_LAYERS, "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3, "
 # tied embeddings and learned positions: the last pipeline stage's copies of both tables are tied to the first's
 GPT2 = {**{k: v for k, v in LLAMA.items() if k != "num_query_groups"}, "model_preset": "gpt2-124m",
         "hidden_dropout": 0.0, "attention_dropout": 0.0}
+
+
+# multi-latent attention and a dense layer before MoE layers, as DeepSeek-V3 (its MTP layers' MLPs are dense here);
+# the vocabulary padded to 128 rows at TP1 and TP2
+DEEPSEEK = {**PLANNED, "mtp_num_layers": 1, "train_iters": 2, "make_vocab_size_divisible_by": 64}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -158,6 +164,9 @@ LAYOUTS = {
     "tp2_sp": (LLAMA, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     "pp2_untied": (LLAMA, {"pipeline_model_parallel_size": 2}),
     "pp2_tied_learned_positions": (GPT2, {"pipeline_model_parallel_size": 2}),
+    "pp2_vp2": ({**LLAMA, "num_layers": 4}, {"pipeline_model_parallel_size": 2,
+                                             "num_virtual_stages_per_pipeline_rank": 2}),
+    "mla_moe_tp2": (DEEPSEEK, {"tensor_model_parallel_size": 2}),
     "dp2_zero1_per_token_eod_masked": ({**LLAMA, "calculate_per_token_loss": True, "eod_mask_loss": True},
                                        {"data_parallel_sharding_strategy": "optim"}),
 }
@@ -175,12 +184,12 @@ def train_mtp_layouts() -> dict:
     return {name: run_record({**base, **layout}, 2) for name, (base, layout) in LAYOUTS.items()}
 
 
-def test_mtp_trains_as_one_process_under_tp2_sp_pp2_and_dp2_zero1():
+def test_mtp_trains_as_one_process_under_tp2_sp_pp2_vp2_and_dp2_zero1():
     references = {name: run_record(base, 1) for name, (base, _) in LAYOUTS.items()}
     per_rank = run_on_ranks(2, train_mtp_layouts)
     for name, (ref_steps, ref_weights, _) in references.items():
         for rank, (steps, _, _) in enumerate(r[name] for r in per_rank):
-            assert len(steps) == LLAMA["train_iters"]
+            assert len(steps) == len(ref_steps) == LAYOUTS[name][0]["train_iters"]
             for step, (got, want) in enumerate(zip(steps, ref_steps)):
                 assert got == pytest.approx(want, rel=1e-5), (name, rank, step)
         weights = join_shards([r[name][1] for r in per_rank])
@@ -191,6 +200,8 @@ def test_mtp_trains_as_one_process_under_tp2_sp_pp2_and_dp2_zero1():
                                   floor=1e-5)
     for name in ("pp2_untied", "pp2_tied_learned_positions"):  # the modules on the last stage only
         assert [r[name][2] for r in per_rank] == [[(True, False, False)], [(False, True, True)]]
+    assert [r["pp2_vp2"][2] for r in per_rank] == [[(True, False, False), (False, False, False)],
+                                                  [(False, False, False), (False, True, True)]]
     assert any(n.startswith("mtp.layers.1.") for n, _ in join_shards([references["tp2_sp"][1]]))
 
 
@@ -224,7 +235,8 @@ def test_an_mtp_checkpoint_resumes_as_the_uninterrupted_run_also_at_pp2(tmp_path
 # The planner
 
 
-@pytest.mark.parametrize("values", [LLAMA, GPT2], ids=["llama_untied", "gpt2_tied_learned_positions"])
+@pytest.mark.parametrize("values", [LLAMA, GPT2, DEEPSEEK],
+                         ids=["llama_untied", "gpt2_tied_learned_positions", "mla_dense_first_moe"])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_the_planner_counts_the_parameters_each_stage_builds(values, pp):
     from megatron_lite.pipeline.layer_split import model_chunk_plans
@@ -233,10 +245,26 @@ def test_the_planner_counts_the_parameters_each_stage_builds(values, pp):
     config = make_config({**values, "pipeline_model_parallel_size": pp}, pp)
     for pp_rank in range(pp):
         (plan,) = model_chunk_plans(config, pp_rank)
-        model = GPTModel(config.model, ParallelState.single(), padded_vocab=padded_vocab_for(config),
-                         seed=config.training.seed, pre_process=plan.pre_process, post_process=plan.post_process,
-                         layer_offset=plan.layer_offset, num_layers=plan.num_layers)
+        model = pretrain_gpt.model_provider(config, ParallelState.single(), plan, torch.device("cpu"))
         planned = chunk_params(config, plan)
         assert [shape.numel for shape in planned] == [p.numel() for p in model.parameters()], pp_rank
         shared = {id(p) for p in model.shared_embedding_parameters()}
         assert [shape.isolated for shape in planned] == [id(p) in shared for p in model.parameters()], pp_rank
+
+
+def test_model_flops_count_the_mtp_depths_as_torch_counts_them():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_lite.logging import training_flops_per_token
+
+    config, model = one_process_model({**LLAMA, "make_vocab_size_divisible_by": 1})
+    m = config.model
+    tokens, mask = samples(config, 2)
+    with FlopCounterMode(display=False) as counter:
+        model(tokens[:, :-1], torch.arange(m.seq_length), labels=tokens[:, 1:], loss_mask=mask).sum().backward()
+    counted = counter.get_total_flops() / tokens[:, :-1].numel()
+    layers = m.num_layers + m.mtp_num_layers  # every one computes QK^T and PV over the whole sequence
+    attention_square = 3 * layers * 4 * m.seq_length * m.num_attention_heads * m.head_dim
+    attention_kernel_counted = any("attention" in str(op) for op in counter.get_flop_counts()["Global"])
+    expected = counted if attention_kernel_counted else counted + attention_square
+    assert training_flops_per_token(m) == pytest.approx(expected, rel=1e-12)
