@@ -1,15 +1,21 @@
 """DeepSeek-V3's stack beyond attention: --moe-layer-freq in Megatron's forms (dense first layers with their own
 FFN size, counted apart by the planner), the deepseek-v3 and moonlight-16b presets against the published configs
-and parameter counts, and the deepseek_v3 config.json both ways. (Logits, greedy ids, TP2 x PP2 and EP2 x TP2
-loads and the tensor-identical round trip of random DeepseekV3ForCausalLM models are test_hf_conversion.py's and
-test_generation.py's deepseek_v3 families; multi-latent attention itself is test_mla.py's.)"""
+and parameter counts, the deepseek_v3 config.json both ways, and transformers' logits from a converted checkpoint
+loaded at TP2 x PP2 x EP2. (Logits, greedy ids, TP2 x PP2 and EP2 x TP2 loads and the tensor-identical round trip
+of random DeepseekV3ForCausalLM models are test_hf_conversion.py's and test_generation.py's deepseek_v3 families;
+multi-latent attention itself is test_mla.py's.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
+import pretrain_gpt
 from megatron_lite.arguments import make_config
+from megatron_lite.checkpoint.checkpointing import Checkpointer
 from megatron_lite.hf.configs import hf_config_from_model, model_values_from_hf
 from megatron_lite.hf.weights import hf_shapes
 from megatron_lite.model.gpt import GPTModel
@@ -18,10 +24,14 @@ from megatron_lite.model.mlp import MLP
 from megatron_lite.model.moe import MoELayer, moe_mlp_factory
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.presets import MODEL_PRESETS
+from megatron_lite.training import build_model, initialize
 from megatron_lite.validation import ConfigError
 from tests.harness import run_on_ranks
+from tests.helpers import HF_VOCAB, hf_models
+from tests.test_hf_conversion import _forward_logits as forward_logits
 from tests.test_mla import MLA
 from tests.test_plan_layout import built_and_planned
+from tests.tolerances import assert_close_relative
 
 # deepseek-ai/DeepSeek-V3 and moonshotai/Moonlight-16B-A3B config.json (the keys that shape the network)
 _COMMON = {"model_type": "deepseek_v3", "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
@@ -136,3 +146,33 @@ def test_planned_state_bytes_of_latent_attention_and_dense_first_layers_equal_th
     for rank, results in enumerate(run_on_ranks(4, _built_and_planned_layouts)):
         for name, result in results.items():
             assert result["planned"] == result["built"], f"{name} rank {rank}"
+
+
+def _tp2_pp2_ep2_logits(mlite_dir: str, flags: dict, ids: torch.Tensor):
+    """Logits of `ids` after loading a converted checkpoint at TP2 x PP2 x EP2 over DP2 (as --load does)."""
+    config = make_config({**flags, "mock_data": True, "seq_length": ids.shape[1], "tensor_model_parallel_size": 2,
+                          "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2, "load": mlite_dir,
+                          "finetune": True, "micro_batch_size": 2, "global_batch_size": 4, "device": "cpu"}, 8)
+    pstate, device = initialize(config)
+    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+    Checkpointer(config, pstate, device).load_checkpoint(model, None)
+    for chunk in model:
+        chunk.eval()
+    return forward_logits(config, model, pstate, ids)
+
+
+def test_converted_deepseek_v3_at_tp2_pp2_ep2_gives_transformers_logits(tmp_path_factory):
+    """Heads split over TP, 2 dense + 2 MoE layers over two pipeline stages, experts over two expert-parallel
+    ranks: the last stage's logits equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, mlite_dir = hf_models(tmp_path_factory)["deepseek_v3"]
+    flags = yaml.safe_load((Path(mlite_dir) / "model.yaml").read_text())
+    ids = torch.randint(0, HF_VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    last_stages = [logits for logits in run_on_ranks(8, _tp2_pp2_ep2_logits, mlite_dir, flags, ids)
+                   if logits is not None]
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(ids).logits
+    assert len(last_stages) == 4  # the last stage's TP x DP ranks
+    for logits in last_stages:
+        assert_close_relative(logits, reference, rel=1e-4)
