@@ -8,10 +8,11 @@ HuggingFaceTokenizer as a training run reads it. Both rates use one thread (RAYO
 loader is a RawTextDataset with one worker process, read to the end of one epoch of samples in the main
 process, as build_data_iterator reads it; its rate is tokens delivered per wall second, the worker's
 start-up included, beside the worker's own rate (tokens per second it spent reading and tokenizing, what
-the training log line reports). The tokens per second a run
-consumes are peak x MFU / training_flops_per_token (megatron_lite/logging.py). On a shared machine both
-rates fall with its load, which varies within seconds: the two are measured in turn --repeats times and
-the best of each kept, and the load averages before and after are recorded.
+the training log line reports) and the rate with no worker (--num-workers 0: reading, tokenizing and packing
+in the main process, the loader's whole path on one core, which no second process competes with). The
+tokens per second a run consumes are peak x MFU / training_flops_per_token (megatron_lite/logging.py). On a
+shared machine every rate falls with its load, which varies within seconds: they are measured in turn
+--repeats times and the best of each kept, and the load averages before and after are recorded.
 
     python -m benchmarks.raw_text_loader [--documents 4000] [--corpus FILE.jsonl] [--vocab-size 8000] [--repeats 3]
 """
@@ -84,12 +85,13 @@ def encode_rate(spec: TokenizerSpec, texts: list[str]) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def loader_rates(path: str, spec: TokenizerSpec, tokens_in_corpus: int) -> tuple[float, float, float]:
+def loader_rates(path: str, spec: TokenizerSpec, tokens_in_corpus: int, workers: int = 1) -> tuple[float, float, float]:
     """(tokens delivered per wall second, start-up included; the worker's own tokens per second of reading and
-    tokenizing, the figure the training log reports; seconds to the first sample)."""
+    tokenizing, the figure the training log reports; seconds to the first sample). With `workers` 0 the main
+    process reads and tokenizes too: the loader's whole path on one core."""
     samples = tokens_in_corpus // SEQ_LENGTH - 1  # one epoch
     dataset = RawTextDataset([(path, list_chunks(path, CHUNK_BYTES))], None, samples, SEQ_LENGTH, 1234, "text",
-                             spec, workers=1, skip_bad_records=0)
+                             spec, workers=workers, skip_bad_records=0)
     start = time.perf_counter()
     stream = dataset.samples(0)
     delivered = len(next(stream)[1]) - 1
@@ -110,10 +112,11 @@ def main(argv: list[str]) -> None:
         path, texts = write_corpus(folder, args.documents, args.corpus)
         spec = TokenizerSpec("HuggingFaceTokenizer", train_tokenizer(folder, texts, args.vocab_size), None)
         tokens = sum(len(t) for t in [spec.build().tokenize(x) for x in texts]) + len(texts)
-        encodes, loaders = [], []
+        encodes, loaders, in_process = [], [], []
         for _ in range(args.repeats):
             encodes.append(encode_rate(spec, texts))
             loaders.append(loader_rates(path, spec, tokens))
+            in_process.append(loader_rates(path, spec, tokens, workers=0)[0])
         encode = max(encodes)
         loader, worker, startup = max(loaders)
     model = ModelConfig(**{k: v for k, v in MODEL_PRESETS["llama3.2-1b"].items() if hasattr(ModelConfig, k)})
@@ -125,7 +128,9 @@ def main(argv: list[str]) -> None:
                "seq_length": SEQ_LENGTH, "tokenizer_encode_tokens_per_s_one_core": round(encode),
                "loader_tokens_per_s_one_worker": round(loader), "loader_vs_encode": round(loader / encode, 3),
                "loader_worker_own_tokens_per_s": round(worker), "worker_own_vs_encode": round(worker / encode, 3),
-               "loader_seconds_to_first_sample": round(startup, 2), "repeats": args.repeats,
+               "loader_seconds_to_first_sample": round(startup, 2),
+               "loader_in_process_tokens_per_s": round(max(in_process)),
+               "in_process_vs_encode": round(max(in_process) / encode, 3), "repeats": args.repeats,
                "encode_tokens_per_s_each": [round(r) for r in encodes],
                "loader_tokens_per_s_each": [round(r[0]) for r in loaders],
                "llama3.2_1b_training_flops_per_token": flops, "h200_peak_tflops": peak_tflops_of("H200"),
