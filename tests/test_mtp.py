@@ -151,11 +151,6 @@ def test_bad_mtp_flags_are_one_line(values, expected):
         make_config({**LLAMA, **values}, 1)
 
 
-def test_mtp_with_context_parallelism_is_refused_before_any_group():
-    with pytest.raises(ConfigError, match="--mtp-num-layers is not built with --context-parallel-size > 1"):
-        make_config({**LLAMA, "context_parallel_size": 2}, 2)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Parallel = serial, on the 2-rank world
 
@@ -167,6 +162,9 @@ LAYOUTS = {
     "pp2_vp2": ({**LLAMA, "num_layers": 4}, {"pipeline_model_parallel_size": 2,
                                              "num_virtual_stages_per_pipeline_rank": 2}),
     "mla_moe_tp2": (DEEPSEEK, {"tensor_model_parallel_size": 2}),
+    "cp2_p2p_eod_masked": ({**LLAMA, "eod_mask_loss": True}, {"context_parallel_size": 2}),
+    "cp2_a2a_per_token": ({**LLAMA, "calculate_per_token_loss": True}, {"context_parallel_size": 2,
+                                                                        "cp_comm_type": "a2a"}),
     "dp2_zero1_per_token_eod_masked": ({**LLAMA, "calculate_per_token_loss": True, "eod_mask_loss": True},
                                        {"data_parallel_sharding_strategy": "optim"}),
 }
@@ -184,7 +182,7 @@ def train_mtp_layouts() -> dict:
     return {name: run_record({**base, **layout}, 2) for name, (base, layout) in LAYOUTS.items()}
 
 
-def test_mtp_trains_as_one_process_under_tp2_sp_pp2_vp2_and_dp2_zero1():
+def test_mtp_trains_as_one_process_under_tp2_sp_cp2_pp2_vp2_and_dp2_zero1():
     references = {name: run_record(base, 1) for name, (base, _) in LAYOUTS.items()}
     per_rank = run_on_ranks(2, train_mtp_layouts)
     for name, (ref_steps, ref_weights, _) in references.items():

@@ -11,12 +11,16 @@ embedding table, kept equal to the first stage's as tied embeddings are (GPTMode
 
 Loss. Depth k's targets are the labels shifted k further left, its loss mask the mask shifted with them; the
 last k positions of the sequence have no target and are masked (Megatron's roll_tensor with zero fill; the
-shift ignores document boundaries, as Megatron's unpacked path does). With S_k its masked cross-entropy sum
-and N_k its unmasked positions, L_MTP = factor / D * sum_k S_k / N_k (--mtp-loss-scaling-factor). It enters
-the backward pass as Megatron's MTPLossAutoScaler does, beside the language-model loss: per micro-batch
-(the default) with the weight 1 / m of a micro-batch mean, under --calculate-per-token-loss with the
-weight N_0 (the micro-batch's unmasked tokens), so that the division by the global token count leaves
-factor / D * sum_k S_k N_0 / (N_k N). The reported language-model loss does not include it.
+shift ignores document boundaries, as Megatron's unpacked path does; under context parallelism the ranks'
+chunks are gathered into whole sequences, shifted and cut again). With S_k its masked cross-entropy sum and N_k
+its unmasked positions (of the micro-batch's whole sequences, summed over context-parallel ranks),
+L_MTP = factor / D * sum_k S_k / N_k (--mtp-loss-scaling-factor). It enters the backward pass as Megatron's
+MTPLossAutoScaler does, beside the language-model loss: per micro-batch (the default) with the weight 1 / m of a
+micro-batch mean, under --calculate-per-token-loss with the weight N_0 (the micro-batch's unmasked tokens), so
+that the division by the global token count leaves factor / D * sum_k S_k N_0 / (N_k N). (Megatron divides by
+each context-parallel rank's own counts, which differs where a loss mask leaves the ranks' shares unequal; see
+model/loss_scaling.py for the same choice in the language-model loss.) The reported language-model loss does
+not include it.
 
 What is logged: per depth, S_k and N_k summed over the micro-batches and data-parallel ranks of the step
 (`mtp_loss_totals`), so `mtp_<k>_loss` is the token mean of depth k's cross-entropy and `mtp_loss` the mean
@@ -33,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.context_parallel import load_balanced_indices
 from megatron_lite.model.loss_scaling import auxiliary_loss_weight
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 from megatron_lite.model.transformer import Norm, TransformerLayer
@@ -98,6 +103,7 @@ class MultiTokenPrediction(torch.nn.Module):
                  rng_tracker, cp_comm_type: str):
         super().__init__()
         self.pstate = pstate
+        self.cp_group = pstate.group("cp")
         self.vocab_size = config.vocab_size
         self.scaling_factor = config.mtp_loss_scaling_factor
         self.layers = torch.nn.ModuleList(
@@ -114,22 +120,42 @@ class MultiTokenPrediction(torch.nn.Module):
         [b, s]; `embedding(ids, positions)` and `output_layer(hidden)` are the model's. Returns `hidden`, with the
         scaled MTP loss attached to its backward."""
         loss_mask = loss_mask.float()
+        whole = [self._whole_sequence(t) for t in (input_ids, position_ids, labels, loss_mask)]
         depth_losses, totals = [], []
         hidden_k = hidden
         for k, layer in enumerate(self.layers, start=1):
-            embedded = embedding(shift_left(input_ids, k), shift_left(position_ids, k))
-            hidden_k = layer(hidden_k, embedded, rotary)
+            ids, positions, targets, mask = (self._this_rank(shift_left(t, k)) for t in whole)
+            hidden_k = layer(hidden_k, embedding(ids, positions), rotary)
             logits = output_layer(hidden_k)  # [s, b, v/tp]
-            per_token = vocab_parallel_cross_entropy(logits, shift_left(labels, k).t(), self.pstate,
-                                                     self.vocab_size).t()  # [b, s]
-            mask = shift_left(loss_mask, k)
+            per_token = vocab_parallel_cross_entropy(logits, targets.t(), self.pstate, self.vocab_size).t()  # [b, s]
             loss_sum, tokens = (per_token.float() * mask).sum(), mask.sum()
-            depth_losses.append(loss_sum / tokens.clamp(min=1.0))
+            # the micro-batch's N_k: its whole sequences', summed over the context-parallel ranks
+            depth_losses.append(loss_sum / mappings.all_reduce(tokens.detach().clone(), self.cp_group).clamp(min=1.0))
             totals.append(torch.stack([loss_sum.detach(), tokens]).double())
-        totals = torch.stack(totals)  # [D, 2]
+        totals = torch.stack(totals)  # [D, 2], this rank's
         self.totals = totals if self.totals is None else self.totals + totals
         loss = self.scaling_factor / len(self.layers) * torch.stack(depth_losses).sum()
-        return _AttachLoss.apply(hidden, loss * auxiliary_loss_weight(loss_mask.sum()))
+        microbatch_tokens = mappings.all_reduce(loss_mask.sum(), self.cp_group)  # N_0
+        return _AttachLoss.apply(hidden, loss * auxiliary_loss_weight(microbatch_tokens))
+
+    def _whole_sequence(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[..., s/cp] -> [..., s]: with context parallelism a rank holds two chunks of each sequence
+        (context_parallel.load_balanced_indices); the shift by k needs the tokens of the others."""
+        cp = self.pstate.cp_size
+        if cp == 1:
+            return tensor
+        gathered = mappings.all_gather_along_dim(tensor.contiguous(), self.cp_group, -1)  # ranks' shares in order
+        length = gathered.shape[-1]
+        order = torch.cat([load_balanced_indices(length, cp, rank) for rank in range(cp)]).to(tensor.device)
+        return torch.empty_like(gathered).index_copy_(-1, order, gathered)
+
+    def _this_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[..., s] -> this context-parallel rank's [..., s/cp] (the identity without context parallelism)."""
+        cp = self.pstate.cp_size
+        if cp == 1:
+            return tensor
+        mine = load_balanced_indices(tensor.shape[-1], cp, self.pstate.cp_rank)
+        return tensor.index_select(-1, mine.to(tensor.device))
 
 
 @torch.no_grad()

@@ -22,7 +22,4 @@ def mtp_problems(config: Config) -> list[str]:
     if m.mtp_num_layers < 1:
         problems.append(f"--mtp-num-layers must be at least 1 (got {m.mtp_num_layers}); leave it unset for no "
                         f"multi-token prediction")
-    if config.parallel.context_parallel_size > 1:
-        problems.append("--mtp-num-layers is not built with --context-parallel-size > 1 (the shifted tokens and "
-                        "labels would cross the context-parallel ranks' chunks); use --context-parallel-size 1")
     return problems
