@@ -1,7 +1,7 @@
 """How close the layout planner's per-rank bytes are to what real multi-rank CPU runs allocate.
 
-For each layout (two Llama-style shapes, 4 gloo ranks of the test harness) every rank builds the model and
-optimizer and runs one training step to warm up; then
+For each layout (Llama-style shapes, one with multi-token prediction; 4 gloo ranks of the test harness) every
+rank builds the model and optimizer and runs one training step to warm up; then
   - parameters, gradients and optimizer state: the bytes the built objects hold
     (DistributedDataParallel.memory_footprint, Optimizer.memory_footprint), against
     planning.state_memory.stage_state_bytes;
@@ -45,6 +45,9 @@ SHAPES = {
     "llama_bf16_tied": {"model_preset": "llama-tiny", "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 352,
                         "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": 1000, "seq_length": 256,
                         "max_position_embeddings": 256, "untie_embeddings_and_output_weights": False, "bf16": True},
+    "llama_fp32_untied_mtp2": {"model_preset": "llama-tiny", "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 192,
+                               "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 512, "seq_length": 256,
+                               "max_position_embeddings": 256, "mtp_num_layers": 2},
 }
 RUN = {"mock_data": True, "micro_batch_size": 2, "train_iters": 3, "eval_interval": 1000, "log_interval": 1000}
 LAYOUTS = {
