@@ -310,6 +310,7 @@ def stage_state_bytes(config: Config, pp_rank: int, dp_rank: int = 0, offload_fr
     total.optimizer_on_host = total.offloaded * host_optimizer_bytes(config)
     return total
 
+
 def muon_optimizer_bytes(config: Config, stepped: int, matrices: list[tuple[int, ParamShape]], chunks) -> int:
     """--optimizer muon (no offload): per stepped element the fp32 master of a bf16/fp16 weight; two fp32 Adam
     moments, or one fp32 momentum buffer for an element of a Muon matrix. Under the distributed optimizer a rank
