@@ -146,16 +146,20 @@ def parse_config(argv: list[str] | None = None, world_size: int = 1) -> Config:
     return make_config(values, world_size)
 
 
+def with_preset(values: dict) -> dict:
+    """Flat flag values (field names) over the values of their --model-preset, if they name one."""
+    preset = values.get("model_preset")
+    if preset is None:
+        return dict(values)
+    if preset not in MODEL_PRESETS:
+        raise ConfigError(f"unknown --model-preset '{preset}'; choose one of: {', '.join(MODEL_PRESETS)}")
+    return {**MODEL_PRESETS[preset], **values}
+
+
 def make_config(values: dict, world_size: int = 1) -> Config:
     """Build a validated Config from flat flag values (field names), applying a model preset first."""
     owner = _field_owner()
-    merged = {}
-    preset = values.get("model_preset")
-    if preset is not None:
-        if preset not in MODEL_PRESETS:
-            raise ConfigError(f"unknown --model-preset '{preset}'; choose one of: {', '.join(MODEL_PRESETS)}")
-        merged.update(MODEL_PRESETS[preset])
-    merged.update(values)
+    merged = with_preset(values)
     config = Config()
     for name, value in merged.items():
         if name not in owner:

@@ -14,10 +14,10 @@ import pytest
 import pretrain_gpt
 from megatron_lite.arguments import make_config
 from megatron_lite.pipeline import split_backward
-from megatron_lite.pipeline.layer_split import model_chunk_plans
+from megatron_lite.pipeline.layer_split import model_chunk_plans, pipeline_stage_layers
 from megatron_lite.pipeline.microbatch import ScheduleStats
 from megatron_lite.planning.activation_memory import waiting_weight_passes, weight_pass_bytes
-from megatron_lite.planning.layouts import offload_fraction_of
+from megatron_lite.planning.layouts import candidate_flags, offload_fraction_of, pipeline_split
 from megatron_lite.planning.state_memory import stage_state_bytes
 from megatron_lite.training import build_data_iterator, build_datasets, get_schedule
 from tests.harness import run_on_ranks
@@ -228,3 +228,27 @@ def test_zb_h1_weight_pass_bytes_by_hand():
     first, last = (weight_pass_bytes(config, model_chunk_plans(config, p)[0]) for p in (0, 1))
     assert first == 32 * 64 * 4
     assert last == 2 * layer + 32 * 64 * 4 + 32 * 256 * 4
+
+
+def test_a_layer_count_that_does_not_divide_is_planned_with_megatrons_first_and_last_stage_flags():
+    """61 layers (DeepSeek-V3) over 16 stages: 14 middle stages of ceil(61/16) = 4 layers, the 5 left over on
+    the first (3) and last (2) stages, as --decoder-first/last-pipeline-num-layers give them."""
+    split = pipeline_split(61, 16, 1)
+    assert split == {"decoder_first_pipeline_num_layers": 3, "decoder_last_pipeline_num_layers": 2}
+    config = make_config({**LLAMA, "num_layers": 61, "global_batch_size": 16, "pipeline_model_parallel_size": 16,
+                          **split}, 16)
+    assert pipeline_stage_layers(config) == [3] + [4] * 14 + [2]
+    assert pipeline_split(64, 16, 1) == {}  # even: no flags
+    assert pipeline_split(61, 32, 1) is None  # 30 middle stages of 2 leave one layer for two stages
+    assert pipeline_split(5, 2, 2) is None  # virtual stages split evenly or not at all
+
+
+def test_the_candidates_of_a_moe_preset_include_expert_parallelism_and_uneven_pipelines():
+    """The preset names the experts (mixtral-tiny: 8) and layers (4), not the flags given."""
+    base = {"model_preset": "mixtral-tiny", "mock_data": True, "num_layers": 3}
+    candidates = list(candidate_flags(base, 4, 8, ("1f1b",)))
+    assert {flags["expert_model_parallel_size"] for flags in candidates} == {1, 2, 4}
+    pipelined = [flags for flags in candidates if flags["pipeline_model_parallel_size"] == 2]
+    assert pipelined and all(flags.get("decoder_first_pipeline_num_layers") == 2 and
+                             flags.get("decoder_last_pipeline_num_layers") == 1 for flags in pipelined)
+    assert all(flags["pipeline_model_parallel_size"] <= 3 for flags in candidates)

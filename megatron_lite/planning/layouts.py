@@ -14,8 +14,8 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_lite.arguments import make_config
-from megatron_lite.config import Config
+from megatron_lite.arguments import make_config, with_preset
+from megatron_lite.config import Config, ModelConfig
 from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.planning.activation_memory import ActivationBytes, stage_activation_bytes
 from megatron_lite.planning.state_memory import StateBytes, stage_state_bytes
@@ -106,16 +106,33 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0 and (limit is None or d <= limit)]
 
 
+def pipeline_split(num_layers: int, pp: int, vp: int) -> dict | None:
+    """The split flags of `num_layers` over pp stages of vp chunks each: none where they divide evenly; else,
+    without virtual stages, Megatron's --decoder-first/last-pipeline-num-layers with every middle stage holding
+    ceil(num_layers / pp) layers and the rest split between the first stage and the last (which also holds the
+    output layer), the first taking the larger half; None where no such split exists."""
+    if num_layers % (pp * vp) == 0:
+        return {}
+    per_stage = -(-num_layers // pp)
+    rest = num_layers - (pp - 2) * per_stage
+    if vp > 1 or pp < 2 or rest < 2:
+        return None
+    return {"decoder_first_pipeline_num_layers": rest - rest // 2, "decoder_last_pipeline_num_layers": rest // 2}
+
+
 def candidate_flags(base: dict, world_size: int, gpus_per_node: int, schedules: tuple[str, ...],
                     offload_fractions: tuple[float, ...] = (0.0,), strategies=STRATEGIES, recompute=tuple(RECOMPUTE)):
     """Layout flags to try: TP within a node (with sequence parallelism), CP, PP with 1, 2 or 4 virtual stages
-    (each of `schedules` without virtual stages), EP for MoE models, every ZeRO stage (the sharded ones with
+    (each of `schedules` without virtual stages; a layer count that does not divide evenly split by
+    `pipeline_split`), EP for MoE models (their --model-preset's too), every ZeRO stage (the sharded ones with
     every number of distributed-optimizer instances dividing dp x cp) and recomputation choice, and each share
     of the optimizer state offloaded to the host (0: none)."""
-    experts = base.get("num_experts") or 0
+    model = with_preset(base)
+    experts = model.get("num_experts") or 0
+    num_layers = model.get("num_layers", ModelConfig.num_layers)
     for tp, cp, pp in itertools.product(_divisors(world_size, gpus_per_node), _divisors(world_size),
                                         _divisors(world_size)):
-        if world_size % (tp * cp * pp):
+        if world_size % (tp * cp * pp) or pp > num_layers:
             continue
         dp_cp = world_size // (tp * pp)
         sharding = [(strategy, instances) for strategy in strategies
@@ -130,6 +147,10 @@ def candidate_flags(base: dict, world_size: int, gpus_per_node: int, schedules: 
                 flags["num_distributed_optimizer_instances"] = instances
             if vp > 1:
                 flags["num_virtual_stages_per_pipeline_rank"] = vp
+            split = pipeline_split(num_layers, pp, vp)
+            if split is None:
+                continue
+            flags.update(split)
             if fraction:
                 flags.update(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction)
             if pp == 1 or vp > 1:
