@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-from benchmarks.fp8 import data_flags, train
+from benchmarks.demo_runs import data_flags, demo_values, train
 from benchmarks.results_file import record_result
 from benchmarks.timed_runs import time_runs
 
@@ -48,10 +48,8 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv[1:])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     data, source = data_flags()
-    common = {"model_preset": "llama-tiny", "device": "cpu", "bf16": True, "seq_length": 128,
-              "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
-              "train_iters": args.iters, "lr_warmup_iters": max(args.iters // 15, 1), "weight_decay": 0.1,
-              "eval_interval": args.iters, "eval_iters": 10, "log_interval": 50, "seed": 1234, **data}
+    common = {**demo_values(args.iters, args.micro_batch_size, args.global_batch_size, data),
+              "eval_iters": 10, "log_interval": 50}
     runs = {}
     with tempfile.TemporaryDirectory() as scratch:
         for name, extra in OPTIMIZERS.items():
