@@ -151,17 +151,9 @@ def _built(case: dict, layers_per_stage: int, skip_draw: bool) -> dict:
     _stand_in_for_torch_distributed()
     pstate = stood_in_state(layout, 0)
     set_random_seed(config.training.seed, pstate.pp_rank)
-    drawn = []
-    real_draw = sharding.draw_normal_shard
-
-    def counted(out, *args):
-        drawn.append(out.numel())
-        return real_draw(out, *args)
-
-    sharding.draw_normal_shard = counted
     rss_before = _rss_bytes()
     start = time.perf_counter()
-    with sharding.initialization_skipped(skip_draw):
+    with sharding.initialization_skipped(skip_draw), sharding.recorded_draws() as draws:
         model = build_model(config, pstate, pretrain_gpt.model_provider, torch.device("cpu"))
         model_s = time.perf_counter() - start
         optimizer = build_optimizer(config, model, pstate)
@@ -172,8 +164,9 @@ def _built(case: dict, layers_per_stage: int, skip_draw: bool) -> dict:
     random = [(name, p) for name, p in named if p.spec.init in ("normal", "scaled_normal")]
     layer_elements = sum(p.numel() for name, p in named if ".layers." in name)
     footprint = optimizer.memory_footprint()
-    return {"model_s": model_s, "model_and_optimizer_s": total_s, "drawn_elements": sum(drawn),
-            "draw_calls": len(drawn), "shard_elements": sum(p.numel() for p in params),
+    return {"model_s": model_s, "model_and_optimizer_s": total_s,
+            "drawn_elements": sum(elements for _, elements in draws), "draw_calls": len(draws),
+            "shard_elements": sum(p.numel() for p in params),
             "random_shard_elements": sum(p.numel() for _, p in random),
             "layer_elements": layer_elements, "built_layers": layers_per_stage, "stage_layers": stage_layers,
             "bytes": {"weights": storage_bytes(params), "grads": storage_bytes([p.main_grad for p in params]),

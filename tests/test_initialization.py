@@ -1,7 +1,6 @@
 """Initial weights: each element a pure function of (seed, global name, global index), so every layout starts from
 the single-device weights while a rank computes only the elements it holds; a resumed run computes none."""
 
-import contextlib
 import math
 
 import pytest
@@ -57,23 +56,6 @@ def test_values_are_normal_with_the_asked_scale_and_differ_by_name_and_seed():
     assert not torch.equal(global_initial_value(spec, "w", 4, 0.02, 2), global_initial_value(spec, "w", 3, 0.02, 2))
 
 
-@contextlib.contextmanager
-def counting_draws():
-    """The elements each call of draw_normal_shard computes, recorded while the scope lasts."""
-    counts = []
-    real = sharding.draw_normal_shard
-
-    def counting(out, *args):
-        counts.append(out.numel())
-        return real(out, *args)
-
-    sharding.draw_normal_shard = counting
-    try:
-        yield counts
-    finally:
-        sharding.draw_normal_shard = real
-
-
 TP2 = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64,
        "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 60, "seq_length": 16,
        "max_position_embeddings": 16, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 2,
@@ -83,7 +65,7 @@ TP2 = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden
 def _drawn_and_held(values: dict, world_size: int) -> tuple[int, int, int]:
     """Elements this rank drew; elements of its randomly initialised parameters; of those, the ones outside the
     vocabulary padding (whose rows grow with the TP size)."""
-    with counting_draws() as counts:
+    with sharding.recorded_draws() as draws:
         config, pstate, _, model, _ = build_run(values, world_size)
     drawn_params = [p for chunk in model for p in chunk.module.parameters() if p.spec.init in ("normal",
                                                                                              "scaled_normal")]
@@ -95,7 +77,7 @@ def _drawn_and_held(values: dict, world_size: int) -> tuple[int, int, int]:
         else:
             first = pstate.tp_rank * p.shape[0]
             real += max(0, min(p.shape[0], rows_per_rank - first)) * p.shape[1]
-    return sum(counts), sum(p.numel() for p in drawn_params), real
+    return sum(elements for _, elements in draws), sum(p.numel() for p in drawn_params), real
 
 
 def test_a_rank_draws_exactly_the_elements_it_holds():
@@ -112,10 +94,10 @@ def test_a_resumed_run_draws_nothing_and_trains_as_the_uninterrupted_one(tmp_pat
     save = str(tmp_path / "ckpt")
     pretrain(make_config({**values, "train_iters": 2, "save": save}), pretrain_gpt.model_provider,
              pretrain_gpt.forward_step)
-    with counting_draws() as counts:
+    with sharding.recorded_draws() as draws:
         resumed = pretrain(make_config({**values, "load": save}), pretrain_gpt.model_provider,
                            pretrain_gpt.forward_step)
-    assert counts == []
+    assert draws == []
     assert [(h["lm_loss"], h["grad_norm"]) for h in resumed] == [(h["lm_loss"], h["grad_norm"])
                                                                   for h in uninterrupted[2:]]
 

@@ -17,17 +17,10 @@ def _drawn_and_held(values: dict, world_size: int) -> tuple[dict, dict]:
     """Elements drawn per global name while this rank builds its model, and the elements of each randomly
     initialised parameter it holds."""
     drawn = {}
-    real = sharding.draw_normal_shard
-
-    def recording(out, spec, global_name, *args):
-        drawn[global_name] = drawn.get(global_name, 0) + out.numel()
-        return real(out, spec, global_name, *args)
-
-    sharding.draw_normal_shard = recording
-    try:
+    with sharding.recorded_draws() as draws:
         model = build_run(values, world_size)[3]
-    finally:
-        sharding.draw_normal_shard = real
+    for global_name, elements in draws:
+        drawn[global_name] = drawn.get(global_name, 0) + elements
     held = {name: p.numel() for chunk in model for name, p in chunk.module.named_global_parameters()
             if p.spec.init in ("normal", "scaled_normal")}
     return drawn, held

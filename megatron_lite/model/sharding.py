@@ -147,6 +147,9 @@ def draw_normal_shard(out: torch.Tensor, spec: ShardSpec, global_name: str, seed
     """Fill `out`, this TP rank's shard, with N(0, scale^2) values that depend only on (seed, global name,
     global index): every layout computes the same value for the same element and no rank computes another
     rank's elements. Rows from `spec.valid_rows` on (vocabulary padding) are zero."""
+    records = _DRAWS.get()
+    if records is not None:
+        records.append((global_name, out.numel()))
     key = _name_key(seed, global_name)
     indices = shard_indices(spec, tp_rank, tp_size, out.device)
     strides = [math.prod(spec.global_shape[d + 1:]) for d in range(len(spec.global_shape))]
@@ -182,6 +185,19 @@ def _initialize(out: torch.Tensor, spec: ShardSpec, global_name: str, seed: int,
 
 
 _SKIP_INITIALIZATION = contextvars.ContextVar("skip_initialization", default=False)
+_DRAWS: contextvars.ContextVar[list | None] = contextvars.ContextVar("draws", default=None)
+
+
+@contextlib.contextmanager
+def recorded_draws():
+    """Within this scope, (global name, elements) of every `draw_normal_shard` call, in a list: what a rank's
+    initialization computes, which tests and benchmarks/startup.py compare with what the rank holds."""
+    records: list[tuple[str, int]] = []
+    token = _DRAWS.set(records)
+    try:
+        yield records
+    finally:
+        _DRAWS.reset(token)
 
 
 @contextlib.contextmanager
