@@ -71,7 +71,7 @@ def test_core_attention_never_lets_cuda_fall_back_to_math(device, dtype, enabled
     assert torch.backends.cuda.math_sdp_enabled()  # restored after the call
 
 
-def test_repeated_key_value_heads_give_grouped_query_attention(monkeypatch):
+def test_repeated_key_value_heads_give_grouped_query_attention():
     """Query head i attends with key/value head i // (heads / groups) either way: the fp32 CUDA path's repeated
     K/V against SDPA's enable_gqa, on the CPU."""
     torch.manual_seed(0)
@@ -80,8 +80,7 @@ def test_repeated_key_value_heads_give_grouped_query_attention(monkeypatch):
     grouped = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     per_head = [F.scaled_dot_product_attention(q[:, i:i + 1], k[:, i // 2:i // 2 + 1], v[:, i // 2:i // 2 + 1],
                                                is_causal=True) for i in range(6)]
-    monkeypatch.setattr(attention.SdpaPlan, "of", classmethod(lambda cls, device, dtype: cls(None, True)))
-    k_repeated, v_repeated = attention.repeat_kv(q, k, v)
+    k_repeated, v_repeated = attention.SdpaPlan(None, repeat_kv=True).key_values(q, k, v)
     assert k_repeated.shape == v_repeated.shape == (2, 6, 16, 8)
     repeated = F.scaled_dot_product_attention(q, k_repeated, v_repeated, is_causal=True)
     assert_close_relative(repeated, torch.cat(per_head, dim=1))

@@ -206,20 +206,17 @@ class SdpaPlan(NamedTuple):
             return cls(FUSED_CUDA_KERNELS, False)
         return cls([SDPBackend.EFFICIENT_ATTENTION], True)
 
+    def kernel_context(self):
+        """The scope in which SDPA may choose only `kernels` (none: any)."""
+        return nullcontext() if self.kernels is None else sdpa_kernel(self.kernels)
 
-def fused_sdpa_only(q: torch.Tensor):
-    """The kernel context of SdpaPlan for this query (fused kernels only on CUDA, any elsewhere)."""
-    kernels = SdpaPlan.of(q.device.type, q.dtype).kernels
-    return nullcontext() if kernels is None else sdpa_kernel(kernels)
-
-
-def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k/v [b, ng, s, d] -> [b, nh, s, d] where SdpaPlan asks for it: query head i uses key/value head i // (nh / ng),
-    as enable_gqa does."""
-    if not SdpaPlan.of(q.device.type, q.dtype).repeat_kv or k.shape[1] == q.shape[1]:
-        return k, v
-    per_group = q.shape[1] // k.shape[1]
-    return k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
+    def key_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k/v [b, ng, s, d] as SDPA takes them here: repeated to [b, nh, s, d] where `repeat_kv` (query head i
+        uses key/value head i // (nh / ng), as enable_gqa does), else as they are."""
+        if not self.repeat_kv or k.shape[1] == q.shape[1]:
+            return k, v
+        per_group = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
 
 
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
@@ -278,9 +275,10 @@ class CoreAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         # heads are split over TP: dropout masks must differ per TP rank
         rng = self.rng_tracker.fork() if dropout > 0 and self.rng_tracker is not None else nullcontext()
-        with rng, fused_sdpa_only(q):
+        plan = SdpaPlan.of(q.device.type, q.dtype)
+        with rng, plan.kernel_context():
             if documents is None:
-                k, v = repeat_kv(q, k, v)
+                k, v = plan.key_values(q, k, v)
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True)
             else:
                 out = document_attention(q, k, v, documents, dropout)
