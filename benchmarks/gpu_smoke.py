@@ -129,9 +129,8 @@ def check_moe_grouped_gemm(device: torch.device) -> dict:
 
 def check_fused_adamw(device: torch.device) -> dict:
     generator = torch.Generator().manual_seed(0)
-    params = {fused: [torch.randn(257, 31, generator=generator).to(device).requires_grad_() for _ in range(3)]
-              for fused in (False, True)}
-    params[True] = [p.detach().clone().requires_grad_() for p in params[False]]
+    unfused = [torch.randn(257, 31, generator=generator).to(device).requires_grad_() for _ in range(3)]
+    params = {False: unfused, True: [p.detach().clone().requires_grad_() for p in unfused]}
     grads = [[torch.randn(p.shape, generator=generator).to(device) for p in params[False]] for _ in range(3)]
     for fused, ps in params.items():
         adam = torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
