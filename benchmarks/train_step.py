@@ -31,7 +31,7 @@ from megatron_lite.model.gpt import GPTModel
 from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, TensorSplit
 
 SHAPE = {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688, "num_attention_heads": 8,
          "num_query_groups": 4, "seq_length": 256, "max_position_embeddings": 256, "vocab_size": 8192}
@@ -66,7 +66,8 @@ def our_training_step(config, hf_model, inputs, labels, device, torch_compile: b
     m, pstate = dataclasses.replace(config.model, torch_compile=torch_compile), ParallelState.single()
     padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
     ours = GPTModel(m, pstate, padded_vocab=padded, seed=1, device=device).train()
-    load_into_model(ours, weights.to_megatron("llama", {k: v.cpu() for k, v in hf_model.state_dict().items()}, m), 0, 1)
+    hf_weights = {k: v.cpu() for k, v in hf_model.state_dict().items()}
+    load_into_model(ours, weights.to_megatron("llama", hf_weights, m), TensorSplit())
     ddp = DistributedDataParallel(ours, pstate)
     optimizer = Optimizer([p for p in ours.parameters()], config.optimizer, pstate)
     positions = torch.arange(m.seq_length, device=device)

@@ -234,6 +234,10 @@ class ParallelConfig:
     (heads must divide by A), and K/V go around a ring of the B groups"""
     expert_model_parallel_size: int = 1
     """ranks the experts of each MoE layer are split over"""
+    expert_tensor_parallel_size: int | None = None
+    """ranks each routed expert's weights are split over (MoE parallel folding: the experts regroup a stage's
+    tensor x context x data-parallel ranks as expert-tensor x expert-model x expert-data parallel); default:
+    tensor-model-parallel-size"""
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer: optimizer state and the step sharded over data-parallel ranks (ZeRO-1,
     --data-parallel-sharding-strategy optim, unless that flag asks for more)"""

@@ -136,10 +136,11 @@ def load_model(path: str, pstate: ParallelState | None = None, device: torch.dev
     pstate = pstate or ParallelState.single()
     saved, tensors = read_model_checkpoint(path)
     config = config_from_metadata(saved)
-    config.parallel = ParallelConfig(tensor_model_parallel_size=pstate.tp_size)
+    config.parallel = ParallelConfig(tensor_model_parallel_size=pstate.tp_size,
+                                     expert_tensor_parallel_size=pstate.etp_size)
     m = config.model
     model = GPTModel(m, pstate, padded_vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by,
                                                                pstate.tp_size),
                      seed=config.training.seed, device=device, mlp_factory=moe_mlp_factory(config, pstate))
-    load_into_model(model, tensors, pstate.tp_rank, pstate.tp_size)
+    load_into_model(model, tensors, pstate.tensor_split)
     return model.eval(), config

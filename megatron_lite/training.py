@@ -64,6 +64,7 @@ def initialize(config: Config) -> tuple[ParallelState, torch.device]:
     hierarchical_cp = p.hierarchical_context_parallel_sizes
     layout = Layout(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, dp=p.data_parallel_size,
                     pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
+                    etp=p.expert_tensor_parallel_size,
                     hierarchical_cp=tuple(hierarchical_cp) if hierarchical_cp else None,
                     dist_opt_instances=p.num_distributed_optimizer_instances)
     timeout = lifecycle.timeout_of(config.training.distributed_timeout_minutes)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from megatron_lite.errors import UserError
 from megatron_lite.model.layer_pattern import moe_layer_pattern
 from megatron_lite.model.mla_validation import mla_problems
+from megatron_lite.model.moe_validation import expert_layout_problems
 from megatron_lite.model.mtp_validation import mtp_problems
 from megatron_lite.optim.muon_validation import muon_problems
 from megatron_lite.optim.schedule_validation import schedule_problems
@@ -45,7 +46,8 @@ _INT_MINIMUMS = {
     "num_experts": 1, "moe_router_topk": 1, "moe_ffn_hidden_size": 1, "moe_layer_freq": 1,
     "moe_router_num_groups": 1, "moe_router_group_topk": 1, "moe_shared_expert_intermediate_size": 1,
     "recompute_num_layers": 1, "tensor_model_parallel_size": 1, "context_parallel_size": 1,
-    "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1, "num_layers_per_virtual_pipeline_stage": 1,
+    "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
+    "num_layers_per_virtual_pipeline_stage": 1,
     "num_virtual_stages_per_pipeline_rank": 1, "num_distributed_optimizer_instances": 1,
     "decoder_first_pipeline_num_layers": 0, "decoder_last_pipeline_num_layers": 0,
     "lr_warmup_iters": 0, "lr_decay_iters": 1, "loss_scale_window": 1, "hysteresis": 1, "num_workers": 0,
@@ -117,8 +119,7 @@ def _value_problems(config: Config) -> list[str]:
 
 def _layout_problems(config: Config, world_size: int) -> list[str]:
     m, p = config.model, config.parallel
-    tp, cp, pp, ep = (p.tensor_model_parallel_size, p.context_parallel_size,
-                      p.pipeline_model_parallel_size, p.expert_model_parallel_size)
+    tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
     problems = []
     if world_size % (tp * cp * pp):
         problems.append(
@@ -150,25 +151,10 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
     if instances > 1 and p.data_parallel_sharding_strategy == "no_shard":
         problems.append(f"--num-distributed-optimizer-instances {instances} needs --use-distributed-optimizer (or a "
                         f"--data-parallel-sharding-strategy other than no_shard)")
-    elif (dp * cp) % instances or (m.num_experts and (dp * cp // ep) % instances):
-        what = (f"data-parallel x context-parallel size ({dp} x {cp} = {dp * cp})" if (dp * cp) % instances else
-                f"the expert data-parallel size (data-parallel x context-parallel / expert-model-parallel = "
-                f"{dp * cp // ep})")
-        problems.append(f"num-distributed-optimizer-instances ({instances}) must divide {what}")
-    if (dp * cp) % ep:
-        problems.append(f"expert-model-parallel-size ({ep}) must divide data-parallel x context-parallel "
-                        f"size ({dp} x {cp} = {dp * cp})")
-    if ep > 1 and not m.num_experts:
-        problems.append("--expert-model-parallel-size > 1 needs --num-experts")
-    if m.num_experts and m.num_experts % ep:
-        problems.append(f"num-experts ({m.num_experts}) must be divisible by expert-model-parallel-size ({ep})")
-    if m.num_experts and m.moe_ffn_hidden_size % tp:
-        problems.append(f"moe-ffn-hidden-size ({m.moe_ffn_hidden_size}) must be divisible by "
-                        f"tensor-model-parallel-size ({tp})")
-    shared = m.moe_shared_expert_intermediate_size
-    if m.num_experts and shared and shared % tp:
-        problems.append(f"moe-shared-expert-intermediate-size ({shared}) must be divisible by "
-                        f"tensor-model-parallel-size ({tp})")
+    elif (dp * cp) % instances:
+        problems.append(f"num-distributed-optimizer-instances ({instances}) must divide data-parallel x "
+                        f"context-parallel size ({dp} x {cp} = {dp * cp})")
+    problems += expert_layout_problems(config)
     if p.num_layers_per_virtual_pipeline_stage is not None and pp == 1:
         problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline-model-parallel-size > 1")
     if p.num_virtual_stages_per_pipeline_rank is not None and pp == 1:

@@ -9,7 +9,7 @@ from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.hf import weights
 from megatron_lite.hf.checkpoint import load_into_model
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, TensorSplit
 from tests.tolerances import assert_close_relative
 
 VOCAB, SEQ = 300, 48
@@ -19,7 +19,7 @@ def our_logits(model_values: dict, hf_model, family: str, ids):
     config = make_config({"mock_data": True, "vocab_size": VOCAB, **model_values}).model
     padded = padded_vocab_size(VOCAB, 128, 1)
     model = GPTModel(config, ParallelState.single(), padded_vocab=padded, seed=7).eval()
-    load_into_model(model, weights.to_megatron(family, hf_model.state_dict(), config), 0, 1)
+    load_into_model(model, weights.to_megatron(family, hf_model.state_dict(), config), TensorSplit())
     with torch.no_grad():
         return model(ids, torch.arange(ids.shape[1]))[..., :VOCAB]
 

@@ -10,6 +10,7 @@ import pretrain_gpt
 from megatron_lite.arguments import make_config
 from megatron_lite.model import sharding
 from megatron_lite.model.sharding import ShardSpec, draw_normal_shard, global_initial_value, shard
+from megatron_lite.parallel.state import TensorSplit
 from megatron_lite.training import pretrain
 from tests.harness import run_on_ranks
 from tests.helpers import build_run
@@ -109,5 +110,5 @@ def test_a_skipped_initialization_leaves_zeros_for_what_no_checkpoint_holds():
     named = [(name, param) for chunk in model for name, param in chunk.module.named_global_parameters()]
     assert any(param.abs().sum() > 0 for _, param in named)
     with sharding.initialization_skipped():
-        sharding.initialize_parameters(named, 1234, 0.02, 2, 0, 1)
+        sharding.initialize_parameters(named, 1234, 0.02, 2, TensorSplit())
     assert all(not param.any() for _, param in named)

@@ -23,7 +23,7 @@ from megatron_lite.model.moe import (
 )
 from megatron_lite.model.moe_router import capacity_keep_mask, expert_capacity
 from megatron_lite.model.sharding import initialize_parameters
-from megatron_lite.parallel.state import Layout, ParallelState
+from megatron_lite.parallel.state import Layout, ParallelState, TensorSplit
 from megatron_lite.pipeline import schedules
 from megatron_lite.training import (
     build_data_iterator,
@@ -44,7 +44,7 @@ def _layer(values: dict) -> MoELayer:
     config = make_config({**BASE, **values})
     layer = MoELayer(config.model, ParallelState.single(), 0, sequence_parallel=False,
                      token_dispatcher=config.model.moe_token_dispatcher_type)
-    initialize_parameters(layer.named_parameters(), 7, 0.2, 2, 0, 1)
+    initialize_parameters(layer.named_parameters(), 7, 0.2, 2, TensorSplit())
     return layer
 
 
@@ -382,11 +382,12 @@ def test_local_experts_carry_global_names_and_single_device_weights():
      "num-experts (6) must be divisible by expert-model-parallel-size (4)"),
     ({"moe_router_topk": 5}, 1, "moe-router-topk (5) must not exceed num-experts (4)"),
     ({"expert_model_parallel_size": 4, "tensor_model_parallel_size": 2}, 4,
-     "expert-model-parallel-size (4) must divide data-parallel x context-parallel size (2 x 1 = 2)"),
+     "expert-tensor-parallel-size x expert-model-parallel-size (2 x 4 = 8) must divide tensor x context x "
+     "data-parallel size (2 x 1 x 2 = 4)"),
     ({"disable_bias_linear": False}, 1, "MoE experts have no biases: pass --disable-bias-linear"),
     ({"moe_expert_capacity_factor": 0.0}, 1, "moe-expert-capacity-factor (0.0) must be positive"),
     ({"moe_ffn_hidden_size": 50, "tensor_model_parallel_size": 4}, 4,
-     "moe-ffn-hidden-size (50) must be divisible by tensor-model-parallel-size (4)"),
+     "moe-ffn-hidden-size (50) must be divisible by expert-tensor-parallel-size (4)"),
     ({**SIGMOID, "moe_router_pre_softmax": True}, 1,
      "--moe-router-pre-softmax applies to --moe-router-score-function softmax only"),
     ({"moe_router_enable_expert_bias": True}, 1, "--moe-router-enable-expert-bias needs --moe-router-score-function "

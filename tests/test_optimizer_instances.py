@@ -62,8 +62,8 @@ def test_instances_are_consecutive_data_parallel_ranks_as_in_megatron():
      "num-distributed-optimizer-instances (3) must divide data-parallel x context-parallel size (4 x 1 = 4)"),
     ({"num_distributed_optimizer_instances": 4, "use_distributed_optimizer": True, "model_preset": "mixtral-tiny",
       "num_experts": 4, "expert_model_parallel_size": 2},
-     "num-distributed-optimizer-instances (4) must divide the expert data-parallel size (data-parallel x "
-     "context-parallel / expert-model-parallel = 2)"),
+     "num-distributed-optimizer-instances (4) must divide the expert data-parallel size (tensor x context x "
+     "data-parallel / (expert-tensor x expert-model-parallel) = 2)"),
 ])
 def test_impossible_instance_counts_are_one_line(values, message):
     with pytest.raises(ConfigError) as error:

@@ -66,7 +66,7 @@ def count_layer_step(values: dict, pstate: ParallelState, sp: bool) -> tuple[lis
     """Collectives of one TransformerLayer's forward and of its backward."""
     config = make_config(values, 4).model
     layer = TransformerLayer(config, pstate, 0, sequence_parallel=sp, attention_backend="sdpa", rng_tracker=None)
-    initialize_parameters(layer.named_parameters(), 1, 0.02, 2, pstate.tp_rank, pstate.tp_size)
+    initialize_parameters(layer.named_parameters(), 1, 0.02, 2, pstate.tensor_split)
     x = torch.randn(S // pstate.tp_size if sp else S, B, config.hidden_size, requires_grad=True)
     rotary = RotaryEmbedding(config.head_dim, config.rotary_base)(torch.arange(S)) \
         if config.position_embedding_type == "rope" else None

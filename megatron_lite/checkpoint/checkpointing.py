@@ -76,7 +76,7 @@ def to_boxes(state: dict, pstate: ParallelState) -> tuple[list[ShardedTensor], d
     pieces, values = [], {}
     for key, value in state.items():
         if isinstance(value, FlatShard):
-            pieces += shard_boxes(key, value.spec, pstate.tp_rank, pstate.tp_size, value.data, value.flat_range)
+            pieces += shard_boxes(key, value.spec, *pstate.tensor_split.of(value.spec), value.data, value.flat_range)
         else:
             values[key] = value
     return pieces, values

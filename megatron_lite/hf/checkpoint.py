@@ -26,6 +26,7 @@ from megatron_lite.checkpoint.sharded import ShardedTensor
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.hf.configs import ConversionError
 from megatron_lite.model.sharding import load_global_tensors
+from megatron_lite.parallel.state import TensorSplit
 
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 CONVERTED_RNG_LAYOUT = "none (converted checkpoint)"  # never equals a run's layout: no RNG state to restore
@@ -96,7 +97,7 @@ def read_model_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def load_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> None:
+def load_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], split: TensorSplit) -> None:
     """Copy this rank's shard of each global tensor into `model` (parameters and checkpointed buffers), padding
     vocabulary tables to the model's rows."""
     padded = dict(tensors)
@@ -105,8 +106,8 @@ def load_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], tp
         if param.spec.valid_rows is not None and name in padded and padded[name].shape[0] < rows:
             table = padded[name]
             padded[name] = torch.cat([table, table.new_zeros(rows - table.shape[0], *table.shape[1:])])
-    load_global_tensors(model.named_global_parameters(), padded, tp_rank, tp_size)
-    load_global_tensors(model.named_global_buffers(), padded, tp_rank, tp_size)
+    load_global_tensors(model.named_global_parameters(), padded, split)
+    load_global_tensors(model.named_global_buffers(), padded, split)
 
 
 def model_flags(m: ModelConfig) -> dict:

@@ -106,7 +106,7 @@ class GPTModel(torch.nn.Module):
                                              attention_backend=backend, rng_tracker=tracker, cp_comm_type=cp_comm_type)
                         if self.has_mtp else None)
         initialize_parameters(self.named_global_parameters(), seed, config.init_method_std, config.num_layers,
-                              pstate.tp_rank, pstate.tp_size)
+                              pstate.tensor_split)
 
     # ----------------------------------------------------------------------------------------------
     def global_name(self, local_name: str) -> str:

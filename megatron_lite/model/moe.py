@@ -10,20 +10,27 @@ r E / ep + j and is named so (`decoder.layers.3.mlp.experts.<r E/ep + j>.linear_
 its initial value and checkpoint key independent of the layout. Expert gradients are reduced over the
 expert-data-parallel group only (ShardSpec.expert), the router's over dp x cp like any dense weight.
 
-Tensor parallelism: expert weights are split across TP exactly as the dense MLP's (expert-tensor-parallel
-size = TP, Megatron's default): fc1 by output rows ([gate; up] halves split separately for SwiGLU), fc2
-by input columns. The whole layer is one tensor-parallel region: the router runs on this rank's tokens,
-then the tokens and their routing enter the region (copied, or all-gathered along the sequence with
-sequence parallelism), every TP rank dispatches the same tokens over its own EP group and computes its
-slice of the experts, and the combined per-token output, a partial sum over TP, leaves the region with
-one all-reduce (reduce-scatter with SP). That is the dense MLP's communication, on T h values rather
-than on the T k h expert outputs that Megatron reduce-scatters before its reverse all-to-all.
+Expert tensor parallelism: routed expert weights are split across the expert-tensor-parallel (ETP) ranks as
+the dense MLP's are across TP: fc1 by output rows ([gate; up] halves split separately for SwiGLU), fc2 by
+input columns. The layer is one region over the ETP group: the router runs on this rank's tokens, then the
+tokens and their routing enter the region (all-gathered when the ranks hold different tokens: sequence
+parallelism, or ETP ranks that are not this rank's TP peers; copied when TP ranks share them), every ETP
+rank dispatches the same tokens over its own EP group and computes its slice of the experts, and the
+combined per-token output, a partial sum over ETP, leaves the region with one reduce-scatter (all-reduce
+when copied). With ETP = TP (the default) that is the dense MLP's communication, on T h values rather than
+on the T k h expert outputs that Megatron reduce-scatters before its reverse all-to-all.
+
+MoE parallel folding (--expert-tensor-parallel-size != TP, parallel/state.py): the ETP and EP groups are cut
+from the stage's ranks independently of attention's TP group, e.g. attention at TP2 while the experts run at
+ETP1 x EP2 on the same two ranks. Under TP > 1 the TP ranks must then hold different tokens, so sequence
+parallelism is required, as Megatron requires it for MoE with TP.
 
 Experts have no biases; the local experts run as one grouped GEMM (moe_experts.py). A shared expert
-(--moe-shared-expert-intermediate-size) runs on the same tokens inside the region, so its partial sum over
-TP joins the routed experts' before the one all-reduce. Megatron's --moe-shared-expert-overlap runs the
-shared expert on a side stream while the all-to-all is in flight; the collectives here block (gloo, and
-NCCL on the compute stream), so there is nothing to overlap and the flag is not offered.
+(--moe-shared-expert-intermediate-size) is split over TP: with ETP = TP it runs on the region's tokens, so
+its partial sum joins the routed experts' before the one reduction; otherwise in a TP region of its own.
+Megatron's --moe-shared-expert-overlap runs the shared expert on a side stream while the all-to-all is in
+flight; the collectives here block (gloo, and NCCL on the compute stream), so there is nothing to overlap
+and the flag is not offered.
 
 Aux-loss-free balancing (--moe-router-enable-expert-bias, DeepSeek-V3): after each iteration,
 `update_expert_biases` sums every MoE layer's tokens per expert over all ranks and moves each expert's
@@ -61,10 +68,15 @@ class MoELayer(torch.nn.Module):
         self.layer_number = layer_number
         self.num_experts = config.num_experts
         self.capacity_factor = config.moe_expert_capacity_factor
-        self.tp_group, self.cp_group = pstate.group("tp"), pstate.group("cp")
+        self.tp_group, self.etp_group = pstate.group("tp"), pstate.group("etp")
+        self.folded = pstate.etp_size != pstate.tp_size
         self.sequence_parallel = sequence_parallel
+        self.gathers_tokens = sequence_parallel or self.folded  # else TP ranks hold the same tokens
+        # The ranks holding pieces of one micro-batch, whose routing a capacity decision spans.
+        self.micro_batch_groups = [group for group in (self.tp_group if sequence_parallel else None,
+                                                       pstate.group("cp")) if group is not None]
         self.router = TopKRouter(config, pstate, sequence_parallel=sequence_parallel)
-        self.experts = GroupedExperts(config, pstate.tp_size, config.num_experts // pstate.ep_size)
+        self.experts = GroupedExperts(config, pstate.etp_size, config.num_experts // pstate.ep_size)
         self.shared_experts = (SharedExpertMLP(config, pstate.tp_size)
                                if config.moe_shared_expert_intermediate_size else None)
         self.token_dispatcher = TOKEN_DISPATCHERS[token_dispatcher](config.num_experts, pstate)
@@ -77,25 +89,35 @@ class MoELayer(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, h] -> [s, b, h] (each [s/tp, b, h] with sequence parallelism)."""
         probs, indices, losses = self.router(x)  # [s b, k] for this rank's tokens
-        tokens, probs, indices = self._enter_tensor_parallel_region(x, probs, indices)  # [T, h], [T, k], [T, k]
         keep = self._capacity_keep_mask(probs, indices) if self.capacity_factor is not None else None
         record = self._statistics_record(losses, keep)
         probs = MoEAuxLossAutoScaler.apply(probs, losses.aux_loss + losses.z_loss,
                                            auxiliary_loss_weight(losses.num_tokens),
                                            lambda: self._record_statistics(record))
-        expert_inputs, tokens_per_expert, handle = self.token_dispatcher.dispatch(tokens, probs, indices, keep)
+        tokens = x.reshape(-1, x.shape[-1])
+        region_tokens, probs, indices, keep = self._enter_expert_region(tokens, probs, indices, keep)  # [T, .]
+        expert_inputs, tokens_per_expert, handle = self.token_dispatcher.dispatch(region_tokens, probs, indices,
+                                                                                  keep)
         output = self.token_dispatcher.combine(self.experts(expert_inputs, tokens_per_expert), handle)
-        if self.shared_experts is not None:
-            output = output + self.shared_experts(tokens)  # [T, h] partial sums over TP
-        return self._leave_tensor_parallel_region(output.view(-1, *x.shape[1:]))
+        if self.shared_experts is not None and not self.folded:
+            output = output + self.shared_experts(region_tokens)  # [T, h] partial sums over TP = ETP
+        output = self._leave_expert_region(output)
+        if self.shared_experts is not None and self.folded:
+            output = output + self._shared_expert_output(tokens)
+        return output.view(-1, *x.shape[1:])
 
     def _capacity_keep_mask(self, probs, indices):
-        """[T, k] bool: which token copies fit. Decided over the whole micro-batch: with context parallelism
-        over the routing of every CP rank's tokens (a small all-gather), of which this rank keeps its own."""
-        all_probs = mappings.all_gather_dim0(probs.detach(), self.cp_group)
-        all_indices = mappings.all_gather_dim0(indices, self.cp_group)
+        """[s b, k] bool for this rank's tokens: which token copies fit. Decided over the whole micro-batch: the
+        routing of every rank holding a piece of it (sequence-parallel TP ranks, CP ranks) is gathered (small),
+        and this rank keeps its own part."""
+        all_probs, all_indices = probs.detach(), indices
+        for group in self.micro_batch_groups:
+            all_probs = mappings.all_gather_dim0(all_probs, group)
+            all_indices = mappings.all_gather_dim0(all_indices, group)
         keep = capacity_keep_mask(all_probs, all_indices, self.num_experts, self.capacity_factor)
-        return mappings.split_along_dim(keep, self.cp_group, 0)
+        for group in reversed(self.micro_batch_groups):
+            keep = mappings.split_along_dim(keep, group, 0)
+        return keep
 
     def _statistics_record(self, losses: RouterLosses, keep: torch.Tensor | None) -> torch.Tensor:
         """One micro-batch's row of `statistics`."""
@@ -111,21 +133,30 @@ class MoELayer(torch.nn.Module):
             self.load_since_bias_update = load if self.load_since_bias_update is None else \
                 self.load_since_bias_update + load
 
-    def _enter_tensor_parallel_region(self, x, probs, indices):
-        """This rank's tokens and routing -> those of every TP rank ([s/tp b, .] -> [s b, .] with SP). The
-        gradients of x and probs from the TP-split experts are partial, so they are summed over TP."""
-        tokens = x.reshape(-1, x.shape[-1])
-        if self.sequence_parallel:
-            return (mappings.gather_from_sequence_parallel_region(tokens, self.tp_group),
-                    mappings.gather_from_sequence_parallel_region(probs, self.tp_group),
-                    mappings.all_gather_dim0(indices, self.tp_group))
-        return (mappings.copy_to_tensor_parallel_region(tokens, self.tp_group),
-                mappings.copy_to_tensor_parallel_region(probs, self.tp_group), indices)
+    def _enter_expert_region(self, tokens, probs, indices, keep):
+        """This rank's tokens and routing [T_local, .] -> those of every ETP rank [T, .]. The gradients of the
+        tokens and probs from the ETP-split experts are partial, so they are summed over ETP."""
+        if not self.gathers_tokens:
+            return (mappings.copy_to_tensor_parallel_region(tokens, self.etp_group),
+                    mappings.copy_to_tensor_parallel_region(probs, self.etp_group), indices, keep)
+        if keep is not None:
+            keep = mappings.all_gather_dim0(keep.to(torch.uint8), self.etp_group).bool()
+        return (mappings.gather_from_sequence_parallel_region(tokens, self.etp_group),
+                mappings.gather_from_sequence_parallel_region(probs, self.etp_group),
+                mappings.all_gather_dim0(indices, self.etp_group), keep)
 
-    def _leave_tensor_parallel_region(self, output):
-        if self.sequence_parallel:
-            return mappings.reduce_scatter_to_sequence_parallel_region(output, self.tp_group)  # -> [s/tp, b, h]
-        return mappings.reduce_from_tensor_parallel_region(output, self.tp_group)
+    def _leave_expert_region(self, output):
+        """[T, h] partial sums over ETP -> this rank's tokens [T_local, h], summed."""
+        if self.gathers_tokens:
+            return mappings.reduce_scatter_to_sequence_parallel_region(output, self.etp_group)
+        return mappings.reduce_from_tensor_parallel_region(output, self.etp_group)
+
+    def _shared_expert_output(self, tokens):
+        """The shared expert in a TP region of its own (folded layouts): [T_local, h] -> [T_local, h]."""
+        if not self.sequence_parallel:  # TP = 1 (folding under TP > 1 needs sequence parallelism)
+            return self.shared_experts(tokens)
+        partial = self.shared_experts(mappings.gather_from_sequence_parallel_region(tokens, self.tp_group))
+        return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
 
 
 def moe_mlp_factory(config: Config, pstate: ParallelState):
@@ -210,8 +241,8 @@ def moe_metrics(model_chunks, pstate: ParallelState, config: Config) -> dict:
             table[layer.layer_number] = layer.statistics
         layer.statistics = None
     mappings.all_reduce(table, pstate.group("world"))
-    # Every micro-batch is seen by its tp x cp ranks; the router's shares and counts are whole on every TP
-    # rank without sequence parallelism; the capacity decision is taken on every TP rank.
+    # Every micro-batch is seen by its tp x cp ranks; the router's shares and counts, and the capacity
+    # decisions, are whole on every TP rank without sequence parallelism.
     tp, cp = pstate.tp_size, pstate.cp_size
     router_copies = 1 if config.parallel.sequence_parallel else tp
     metrics = {}
@@ -220,7 +251,7 @@ def moe_metrics(model_chunks, pstate: ParallelState, config: Config) -> dict:
         microbatches = max(float(row[_MICROBATCHES]) / (tp * cp), 1.0)
         metrics[f"moe_aux_loss_layer_{number}"] = float(row[_AUX_LOSS]) / router_copies / microbatches
         metrics[f"moe_z_loss_layer_{number}"] = float(row[_Z_LOSS]) / router_copies / microbatches
-        metrics[f"moe_dropped_tokens_layer_{number}"] = round(float(row[_DROPPED]) / tp)
+        metrics[f"moe_dropped_tokens_layer_{number}"] = round(float(row[_DROPPED]) / router_copies)
         metrics[f"moe_tokens_per_expert_layer_{number}"] = [
             round(v) for v in (row[_TOKENS_PER_EXPERT:] / router_copies).tolist()]
     metrics["moe_aux_loss"] = sum(metrics[f"moe_aux_loss_layer_{n}"] for n in numbers) / len(numbers)

@@ -11,10 +11,11 @@ and multiplies every expert's tokens at once (the stacked copy is made again in 
                       product (forward: two per layer; backward: one per linear), only where the grouped
                       kernel cannot run
 
-Tensor parallelism splits expert weights as the dense MLP's (fc1 by output rows, [gate; up] halves
-separately for SwiGLU; fc2 by input columns); the outputs are partial sums over TP that the MoE layer
-reduces once. The shared expert (--moe-shared-expert-intermediate-size, DeepSeek / Qwen2-MoE) is such an
-MLP that every token runs; Qwen2-MoE scales its output by sigmoid(x w_gate) (--moe-shared-expert-gate).
+Routed experts are split over the expert-tensor-parallel ranks (--expert-tensor-parallel-size, TP by
+default) as the dense MLP is over TP (fc1 by output rows, [gate; up] halves separately for SwiGLU; fc2 by
+input columns); the outputs are partial sums over those ranks that the MoE layer reduces once. The shared
+expert (--moe-shared-expert-intermediate-size, DeepSeek / Qwen2-MoE) is such an MLP, split over TP, that
+every token runs; Qwen2-MoE scales its output by sigmoid(x w_gate) (--moe-shared-expert-gate).
 """
 
 from __future__ import annotations
@@ -152,10 +153,11 @@ class ExpertMLP(torch.nn.Module):
 
 
 class GroupedExperts(torch.nn.ModuleList):
-    """This rank's E / ep routed experts (ExpertMLPs, indexed as local experts), run as grouped GEMMs."""
+    """This rank's E / ep routed experts (ExpertMLPs, indexed as local experts, each split over `etp_size`
+    ranks), run as grouped GEMMs."""
 
-    def __init__(self, config: ModelConfig, tp_size: int, num_local_experts: int):
-        super().__init__(ExpertMLP(config, tp_size, config.moe_ffn_hidden_size, expert=True)
+    def __init__(self, config: ModelConfig, etp_size: int, num_local_experts: int):
+        super().__init__(ExpertMLP(config, etp_size, config.moe_ffn_hidden_size, expert=True)
                          for _ in range(num_local_experts))
         self.config = config
 

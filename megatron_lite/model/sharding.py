@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lite.parallel.state import TensorSplit
+
 
 @dataclass
 class ShardSpec:
@@ -214,8 +216,7 @@ def initialization_skipped(skip: bool = True):
 
 
 @torch.no_grad()
-def initialize_parameters(named_parameters, seed: int, std: float, num_layers: int, tp_rank: int,
-                          tp_size: int) -> None:
+def initialize_parameters(named_parameters, seed: int, std: float, num_layers: int, split: TensorSplit) -> None:
     """Set each (global_name, param) to its shard of the layout-independent initial value, computing only
     the shard's own elements (zeroed instead inside `initialization_skipped`)."""
     skip = _SKIP_INITIALIZATION.get()
@@ -223,11 +224,11 @@ def initialize_parameters(named_parameters, seed: int, std: float, num_layers: i
         if skip:
             param.zero_()
         else:
-            _initialize(param, param.spec, global_name, seed, std, num_layers, tp_rank, tp_size)
+            _initialize(param, param.spec, global_name, seed, std, num_layers, *split.of(param.spec))
 
 
 @torch.no_grad()
-def load_global_tensors(named_parameters, tensors: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> None:
+def load_global_tensors(named_parameters, tensors: dict[str, torch.Tensor], split: TensorSplit) -> None:
     """Copy this rank's shard of each global tensor into the parameter of the same global name."""
     for global_name, param in named_parameters:
         if global_name not in tensors:
@@ -236,4 +237,4 @@ def load_global_tensors(named_parameters, tensors: dict[str, torch.Tensor], tp_r
         if tuple(full.shape) != tuple(param.spec.global_shape):
             raise ValueError(f"{global_name}: shape {tuple(full.shape)} does not match the model's "
                              f"{tuple(param.spec.global_shape)}")
-        param.copy_(shard(full, param.spec, tp_rank, tp_size))
+        param.copy_(shard(full, param.spec, *split.of(param.spec)))

@@ -152,15 +152,16 @@ class _MuonSteps:
         param, spec = matrix.param, matrix.param.spec
         local = flat.view(param.shape)
         is_qkv = matrix.name.endswith("linear_qkv.weight")
-        tp_group = self.pstate.group("tp")
-        split = spec.tp_dim is not None and self.pstate.tp_size > 1
+        tp_rank, tp_size = self.pstate.tensor_split.of(spec)  # routed experts: over the expert-TP ranks
+        tp_group = self.pstate.group("etp" if spec.expert else "tp")
+        split = spec.tp_dim is not None and tp_size > 1
         if split and self.tp_mode == "duplicated":
             whole = mappings.all_gather_along_dim(local, tp_group, spec.tp_dim)
             update = orthogonalized_update(whole, self.settings, is_qkv=is_qkv)
-            update = update.chunk(self.pstate.tp_size, dim=spec.tp_dim)[self.pstate.tp_rank]
+            update = update.chunk(tp_size, dim=spec.tp_dim)[tp_rank]
         elif split and self.tp_mode == "distributed":
             update = orthogonalized_update(local, self.settings, is_qkv=is_qkv, tp_dim=spec.tp_dim,
-                                           tp_group=tp_group, tp_size=self.pstate.tp_size)
+                                           tp_group=tp_group, tp_size=tp_size)
         else:
             update = orthogonalized_update(local, self.settings, is_qkv=is_qkv)
         return update.reshape(-1)

@@ -2,8 +2,11 @@
 
 World size = TP x CP x DP x PP with rank order tp-cp-dp-pp, fastest-varying first (Megatron's default),
 so a tensor-parallel group sits on adjacent ranks (one node's NVLink) and pipeline stages are furthest
-apart. Expert layers regroup the DP x CP ranks of a stage: EP ranks vary fastest, the remaining
-"expert data parallel" (EDP) ranks hold replicas of the same experts (order tp-ep-edp-pp).
+apart. Expert layers regroup the TP x CP x DP ranks of a stage (MoE parallel folding, Megatron's
+--expert-tensor-parallel-size): its flat index tp + TP (cp + CP dp) is read as etp-ep-edp, fastest-varying
+first, so ETP ranks split each expert's weights, EP ranks hold different experts and the remaining "expert
+data parallel" (EDP) ranks hold replicas of the same experts; ETP x EP x EDP = TP x CP x DP. With ETP = TP
+(the default) the expert coordinates are tp and a split of the dp x cp index, the layout before folding.
 
 Groups, and what each is for:
   tp          tensor-parallel shards of one layer (all-reduce / all-gather / reduce-scatter activations)
@@ -19,6 +22,7 @@ Groups, and what each is for:
               with the others (None when N = 1)
   pp          the pipeline stages holding one model replica (send/recv activations)
   embedding   first and last pipeline stage (keeps tied input/output embeddings equal)
+  etp         expert-tensor-parallel shards of the routed experts (the tp group itself when ETP = TP)
   ep          expert-parallel ranks that split the experts of one layer (token all-to-all)
   expert_dp   replicas of the same experts (where expert gradients are reduced)
   intra_expert_dp  edp / N consecutive expert_dp ranks: the instance's share of expert_dp, as intra_dp_cp
@@ -29,8 +33,9 @@ Distributed-optimizer instances (Megatron's --num-distributed-optimizer-instance
 instance i holds dp_cp indices [i s, (i + 1) s) with s = dp x cp / N, so it sits on adjacent ranks (one
 node) and only the inter-instance all-reduce crosses the slower links. The expert instances are cut the
 same way from expert_dp (edp / N consecutive edp indices); their inter-instance groups are the dense ones
-(an expert rank at edp index e and ep index j sits at dp_cp index e ep + j, and e mod (edp / N) fixes
-(e ep + j) mod s), so one group serves both, as in Megatron.
+(with ETP = TP an expert rank at edp index e and ep index j sits at dp_cp index e ep + j, and e mod
+(edp / N) fixes (e ep + j) mod s), so one group serves both, as in Megatron; several instances therefore
+need ETP = TP.
 
 The coordinate arithmetic is pure (`rank_coordinates`, `group_ranks`) and unit-tested without any
 process group. A `ParallelState` holds the groups for one layout; it is passed to whatever needs it,
@@ -49,25 +54,34 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class Layout:
     """Degrees of parallelism. `dp` is the data-parallel size of the dense (non-expert) layers;
-    `hierarchical_cp` (A, B) splits cp = A x B into a2a groups of A consecutive cp ranks and p2p groups across
-    them (--hierarchical-context-parallel-sizes); `dist_opt_instances` N cuts the dp x cp (and expert dp) ranks
-    into N distributed-optimizer instances (--num-distributed-optimizer-instances)."""
+    `etp` is the expert-tensor-parallel size (None: tp, Megatron's default); `hierarchical_cp` (A, B) splits
+    cp = A x B into a2a groups of A consecutive cp ranks and p2p groups across them
+    (--hierarchical-context-parallel-sizes); `dist_opt_instances` N cuts the dp x cp (and expert dp) ranks into
+    N distributed-optimizer instances (--num-distributed-optimizer-instances)."""
 
     tp: int = 1
     cp: int = 1
     dp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int | None = None
     hierarchical_cp: tuple[int, int] | None = None
     dist_opt_instances: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "cp", "dp", "pp", "ep", "dist_opt_instances"):
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        for name in ("tp", "cp", "dp", "pp", "ep", "etp", "dist_opt_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} size must be at least 1, got {getattr(self, name)}")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"expert-model-parallel-size ({self.ep}) must divide data-parallel x "
-                             f"context-parallel size ({self.dp} x {self.cp})")
+        if self.stage_size % (self.etp * self.ep):
+            raise ValueError(f"expert-tensor-parallel-size x expert-model-parallel-size ({self.etp} x {self.ep}) "
+                             f"must divide tensor x context x data-parallel size "
+                             f"({self.tp} x {self.cp} x {self.dp})")
+        if self.dist_opt_instances > 1 and self.etp != self.tp:
+            raise ValueError(f"num-distributed-optimizer-instances ({self.dist_opt_instances}) > 1 needs "
+                             f"expert-tensor-parallel-size ({self.etp}) equal to tensor-model-parallel-size "
+                             f"({self.tp})")
         if self.hierarchical_cp is not None and self.hierarchical_cp[0] * self.hierarchical_cp[1] != self.cp:
             raise ValueError(f"hierarchical-context-parallel-sizes {self.hierarchical_cp} must multiply to "
                              f"context-parallel-size ({self.cp})")
@@ -81,9 +95,14 @@ class Layout:
         return self.tp * self.cp * self.dp * self.pp
 
     @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage: tp x cp x dp, regrouped as etp x ep x edp for the experts."""
+        return self.tp * self.cp * self.dp
+
+    @property
     def edp(self) -> int:
         """Expert data-parallel size: replicas of each expert within one pipeline stage."""
-        return self.dp * self.cp // self.ep
+        return self.stage_size // (self.etp * self.ep)
 
     @property
     def instance_dp_cp(self) -> int:
@@ -96,12 +115,12 @@ class Layout:
         return self.edp // self.dist_opt_instances
 
     @classmethod
-    def from_world(cls, world_size: int, tp=1, cp=1, pp=1, ep=1) -> Layout:
+    def from_world(cls, world_size: int, tp=1, cp=1, pp=1, ep=1, etp=None) -> Layout:
         model_parallel = tp * cp * pp
         if world_size % model_parallel:
             raise ValueError(f"world size ({world_size}) must be divisible by tp x cp x pp "
                              f"({tp} x {cp} x {pp} = {model_parallel})")
-        return cls(tp=tp, cp=cp, dp=world_size // model_parallel, pp=pp, ep=ep)
+        return cls(tp=tp, cp=cp, dp=world_size // model_parallel, pp=pp, ep=ep, etp=etp)
 
 
 @dataclass(frozen=True)
@@ -112,25 +131,44 @@ class Coordinates:
     cp: int
     dp: int
     pp: int
+    etp: int
     ep: int
     edp: int
 
 
 def rank_coordinates(rank: int, layout: Layout) -> Coordinates:
-    """Pure function: global rank -> coordinates, rank order tp-cp-dp-pp (and tp-ep-edp-pp for experts)."""
+    """Pure function: global rank -> coordinates, rank order tp-cp-dp-pp (and etp-ep-edp-pp for experts)."""
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} outside a world of {layout.world_size}")
     tp = rank % layout.tp
     cp = rank // layout.tp % layout.cp
     dp = rank // (layout.tp * layout.cp) % layout.dp
     pp = rank // (layout.tp * layout.cp * layout.dp)
-    dp_cp = rank // layout.tp % (layout.cp * layout.dp)  # index within the stage's dp x cp ranks
-    return Coordinates(tp=tp, cp=cp, dp=dp, pp=pp, ep=dp_cp % layout.ep, edp=dp_cp // layout.ep)
+    in_stage = rank % layout.stage_size  # tp + TP (cp + CP dp)
+    return Coordinates(tp=tp, cp=cp, dp=dp, pp=pp, etp=in_stage % layout.etp, ep=in_stage // layout.etp % layout.ep,
+                       edp=in_stage // (layout.etp * layout.ep))
 
 
 def coordinates_rank(coords: dict, layout: Layout) -> int:
     """Inverse of `rank_coordinates` for the dense dimensions tp, cp, dp, pp."""
     return coords["tp"] + layout.tp * (coords["cp"] + layout.cp * (coords["dp"] + layout.dp * coords["pp"]))
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """Where a rank sits among the ranks that split a weight: dense weights are split over the tensor-parallel
+    ranks, routed experts' over the expert-tensor-parallel ones (ShardSpec.expert)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    etp_rank: int | None = None  # None: as tp
+    etp_size: int | None = None
+
+    def of(self, spec) -> tuple[int, int]:
+        """(rank, size) of the split of a parameter with ShardSpec `spec`."""
+        if spec.expert and self.etp_size is not None:
+            return self.etp_rank, self.etp_size
+        return self.tp_rank, self.tp_size
 
 
 _DENSE_DIMS = ("tp", "cp", "dp", "pp")
@@ -155,13 +193,13 @@ def _group_key(c: Coordinates, kind: str, layout: Layout) -> tuple:
         dp_cp, size = c.cp + layout.cp * c.dp, layout.instance_dp_cp
         return c.tp, c.pp, dp_cp // size if kind == "intra_dp_cp" else dp_cp % size
     if kind == "intra_expert_dp":
-        return c.tp, c.pp, c.ep, c.edp // layout.instance_edp
+        return c.etp, c.pp, c.ep, c.edp // layout.instance_edp
     spans = {
         "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp"),
-        "model_parallel": ("tp", "pp"), "ep": ("ep",), "expert_dp": ("edp",),
+        "model_parallel": ("tp", "pp"), "etp": ("etp",), "ep": ("ep",), "expert_dp": ("edp",),
     }[kind]
-    if kind in ("ep", "expert_dp"):
-        fixed = {"tp": c.tp, "pp": c.pp, "ep": c.ep, "edp": c.edp}
+    if kind in ("etp", "ep", "expert_dp"):
+        fixed = {"etp": c.etp, "pp": c.pp, "ep": c.ep, "edp": c.edp}
         return tuple(v for k, v in fixed.items() if k not in spans)
     return tuple(getattr(c, d) for d in _DENSE_DIMS if d not in spans)
 
@@ -171,7 +209,7 @@ def embedding_group_ranks(layout: Layout) -> list[list[int]]:
     return [sorted({ranks[0], ranks[-1]}) for ranks in group_ranks(layout, "pp")]
 
 
-_GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "model_parallel", "ep", "expert_dp")
+_GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "model_parallel", "ep", "expert_dp")  # and etp
 _HIERARCHICAL_CP_KINDS = ("cp_a2a", "cp_p2p")
 _INSTANCE_KINDS = {"intra_dp_cp": "dp_cp", "intra_expert_dp": "expert_dp", "inter_dist_opt": None}
 
@@ -199,6 +237,8 @@ class ParallelState:
         groups: dict[str, dist.ProcessGroup | None] = {}
         for kind in _GROUP_KINDS:
             groups[kind] = _new_groups_containing(rank, group_ranks(layout, kind), timeout)
+        groups["etp"] = (groups["tp"] if layout.etp == layout.tp
+                         else _new_groups_containing(rank, group_ranks(layout, "etp"), timeout))
         for kind in _HIERARCHICAL_CP_KINDS:
             groups[kind] = (_new_groups_containing(rank, group_ranks(layout, kind), timeout)
                             if layout.hierarchical_cp else None)
@@ -220,7 +260,7 @@ class ParallelState:
         """Rank `rank`'s place in `layout`, with no process groups: enough to build and name its shard of a
         model (tools and tests), not to run it."""
         pp_ranks = next(r for r in group_ranks(layout, "pp") if rank in r)
-        kinds = (*_GROUP_KINDS, *_HIERARCHICAL_CP_KINDS, *_INSTANCE_KINDS, "embedding", "world")
+        kinds = (*_GROUP_KINDS, "etp", *_HIERARCHICAL_CP_KINDS, *_INSTANCE_KINDS, "embedding", "world")
         return cls(layout, rank, dict.fromkeys(kinds), pp_ranks)
 
     def group(self, kind: str) -> dist.ProcessGroup | None:
@@ -259,6 +299,19 @@ class ParallelState:
     @property
     def pp_rank(self) -> int:
         return self.coords.pp
+
+    @property
+    def etp_size(self) -> int:
+        return self.layout.etp
+
+    @property
+    def etp_rank(self) -> int:
+        return self.coords.etp
+
+    @property
+    def tensor_split(self) -> TensorSplit:
+        """This rank's place among the ranks splitting dense weights (tp) and routed experts' (etp)."""
+        return TensorSplit(self.tp_rank, self.tp_size, self.etp_rank, self.etp_size)
 
     @property
     def ep_size(self) -> int:
