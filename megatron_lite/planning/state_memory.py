@@ -219,7 +219,9 @@ def _group_sizes(config: Config) -> dict[bool, int]:
     one distributed-optimizer instance (all of them with one instance)."""
     p = config.parallel
     dense_group = p.data_parallel_size * p.context_parallel_size // p.num_distributed_optimizer_instances
-    return {False: dense_group, True: dense_group // p.expert_model_parallel_size}
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    expert_group = dense_group * p.tensor_model_parallel_size // (etp * p.expert_model_parallel_size)
+    return {False: dense_group, True: expert_group}
 
 
 def chunk_buckets(config: Config, chunk: ChunkPlan) -> list[BucketShape]:
