@@ -39,9 +39,9 @@ def training_flops_per_token(config: ModelConfig) -> float:
     2 * 2 * seq * hidden per layer (the full square, as Megatron counts it; heads x head size stands for
     hidden where --kv-channels sets another head size; with multi-latent attention its projections, and
     2 * seq * heads * (query-key + value head dims)); each multi-token prediction depth adds its 2h -> h
-    projection, a layer with a dense MLP and the output layer. Backward costs twice the forward. Activation
-    recomputation is not counted: it is work the hardware does, not work the model needs, so MFU stays
-    comparable between runs with and without it.
+    projection, a layer (with the last decoder layer's kind of MLP) and the output layer. Backward costs twice
+    the forward. Activation recomputation is not counted: it is work the hardware does, not work the model
+    needs, so MFU stays comparable between runs with and without it.
     """
     h, s, L = config.hidden_size, config.seq_length, config.num_layers
     q, kv = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
@@ -53,18 +53,17 @@ def training_flops_per_token(config: ModelConfig) -> float:
         attention_square = 2 * s * config.num_attention_heads * (q_dims + config.v_head_dim)
     mlp_matrices = 3 if config.swiglu else 2
     dense_mlp = mlp_matrices * h * config.ffn_hidden_size
+    moe_mlp = 0
     if config.num_experts:
-        moe_layers = len(moe_layer_numbers(config))
         moe_mlp = config.moe_router_topk * mlp_matrices * h * config.moe_ffn_hidden_size + h * config.num_experts
         if config.moe_shared_expert_intermediate_size:  # and its gate
             moe_mlp += mlp_matrices * h * config.moe_shared_expert_intermediate_size + h * config.moe_shared_expert_gate
-        mlp_weights = moe_layers * moe_mlp + (L - moe_layers) * dense_mlp
-    else:
-        mlp_weights = L * dense_mlp
+    mlp_of = {number: moe_mlp for number in moe_layer_numbers(config)}  # MoE layers, MTP layers included
+    mlp_weights = sum(mlp_of.get(number, dense_mlp) for number in range(L))
     forward = 2 * (L * attention_weights + mlp_weights + h * config.vocab_size) + L * attention_square
-    if config.mtp_num_layers:
-        depth = 2 * (2 * h * h + attention_weights + dense_mlp + h * config.vocab_size) + attention_square
-        forward += config.mtp_num_layers * depth
+    for number in range(L, L + (config.mtp_num_layers or 0)):
+        forward += 2 * (2 * h * h + attention_weights + mlp_of.get(number, dense_mlp) + h * config.vocab_size)
+        forward += attention_square
     return forward * 3
 
 

@@ -73,7 +73,7 @@ def pretrain_keeping_chunks(values: dict, world_size: int) -> tuple[list[dict], 
 
 
 def parameter_records(chunks, tensor_of) -> list[tuple]:
-    """(global name, replica, tp rank, spec, tensor) for every parameter of this rank's model chunks.
+    """(global name, replica, split rank, spec, tensor) for every parameter of this rank's model chunks.
 
     A replica is the (dp, cp, pp) position holding a copy: data-parallel replicas and the last stage's copy
     of tied embeddings are each compared with the reference on their own.
@@ -84,7 +84,8 @@ def parameter_records(chunks, tensor_of) -> list[tuple]:
         pstate = module.pstate
         replica = (pstate.dp_rank, pstate.cp_rank, pstate.pp_rank)
         for name, param in module.named_global_parameters():
-            records.append((name, replica, pstate.tp_rank, param.spec, tensor_of(param).detach().clone()))
+            split_rank = pstate.tensor_split.of(param.spec)[0]  # experts: their expert-tensor-parallel rank
+            records.append((name, replica, split_rank, param.spec, tensor_of(param).detach().clone()))
     return records
 
 

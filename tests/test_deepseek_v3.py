@@ -7,6 +7,7 @@ multi-latent attention itself is test_mla.py's.)"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,81 @@ def test_converted_deepseek_v3_at_tp2_pp2_ep2_gives_transformers_logits(tmp_path
     assert len(last_stages) == 4  # the last stage's TP x DP ranks
     for logits in last_stages:
         assert_close_relative(logits, reference, rel=1e-4)
+
+
+def _with_published_mtp_module(hf_dir: str, target: Path) -> dict:
+    """A copy of a transformers-saved DeepseekV3 directory with one multi-token prediction module stored as DeepSeek
+    publishes it (layer num_hidden_layers: its norms, eh_proj, shared_head and a copy of the embedding, then an
+    MoE transformer layer under the decoder layers' names), random except the copies; returns the tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    last, module = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    tensors = load_file(target / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+    prefix = f"model.layers.{last}."
+    for name, tensor in list(tensors.items()):
+        if name.startswith(prefix):
+            tensors[f"model.layers.{module}." + name[len(prefix):]] = torch.randn(tensor.shape, generator=generator)
+    h = config["hidden_size"]
+    mtp = f"model.layers.{module}."
+    tensors |= {mtp + "enorm.weight": torch.rand(h, generator=generator) + 0.5,
+                mtp + "hnorm.weight": torch.rand(h, generator=generator) + 0.5,
+                mtp + "eh_proj.weight": torch.randn(h, 2 * h, generator=generator) * 0.02,
+                mtp + "shared_head.norm.weight": torch.rand(h, generator=generator) + 0.5,
+                mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (target / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def test_a_published_mtp_module_converts_into_an_moe_mtp_layer_and_back_tensor_identical(tmp_path_factory, tmp_path):
+    """DeepSeek-V3's multi-token prediction module is an MoE layer stored after the decoder's: converted, it is our
+    mtp.layers.0 with routed experts under global names; back, every tensor is the original bit for bit; a module's
+    copy of the embedding that differs from the model's is one line."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers import convert
+
+    hf_dir, _ = hf_models(tmp_path_factory)["deepseek_v3"]
+    original = _with_published_mtp_module(hf_dir, tmp_path / "hf")
+    convert("--direction", "hf-to-mlite", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "mlite"))
+    flags = yaml.safe_load((tmp_path / "mlite" / "model.yaml").read_text())
+    assert flags["mtp_num_layers"] == 1
+    config = make_config({**flags, "mock_data": True})
+    model = GPTModel(config.model, ParallelState.single(), padded_vocab=HF_VOCAB, seed=1,
+                     mlp_factory=moe_mlp_factory(config, ParallelState.single()))
+    names = dict(model.named_global_parameters())
+    assert isinstance(model.mtp.layers[0].transformer_layer.mlp, MoELayer)
+    assert "mtp.layers.0.transformer_layer.mlp.experts.3.linear_fc1.weight" in names
+    convert("--direction", "mlite-to-hf", "--load-dir", str(tmp_path / "mlite"), "--save-dir", str(tmp_path / "back"))
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor.to(back[name].dtype)), name
+    module = json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"]
+    original[f"model.layers.{module}.embed_tokens.weight"] += 1.0
+    save_file(original, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SystemExit):
+        convert("--direction", "hf-to-mlite", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "bad"))
+
+
+def test_the_deepseek_v3_mtp_module_adds_its_published_shapes():
+    """DeepSeek-V3's multi-token prediction module, counted from the published shapes: an MoE layer with multi-latent
+    attention (q latent 1536, KV latent 512 + RoPE key 64, 128 heads of 128 + 64 / 128), 256 routed experts of 2048,
+    one shared expert, the router with its bias and two norms, plus enorm, hnorm, eh_proj [h, 2h], the final norm,
+    and copies of the embedding and output layer: 13.5B on top of the 671B (the model card's 685B also counts the
+    FP8 weights' block scales)."""
+    h, vocab, heads = 7168, 129280, 128
+    attention = (h * 1536 + 1536 + 1536 * heads * (128 + 64) + h * (512 + 64) + 512 + 512 * heads * (128 + 128)
+                 + heads * 128 * h)
+    layer = attention + 256 * 3 * h * 2048 + 3 * h * 2048 + 256 * h + 256 + 2 * h
+    module = layer + 2 * h + 2 * h * h + h + 2 * vocab * h
+    m = make_config({"model_preset": "deepseek-v3", "mock_data": True, "mtp_num_layers": 1}).model
+    total = sum(torch.Size(shape).numel() for shape in hf_shapes("deepseek_v3", m).values())
+    assert total - COUNTS["deepseek-v3"][0] == module == 13_463_426_304

@@ -26,8 +26,8 @@ GPT2 = {**{k: v for k, v in LLAMA.items() if k != "num_query_groups"}, "model_pr
         "hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 
-# multi-latent attention and a dense layer before MoE layers, as DeepSeek-V3 (its MTP layers' MLPs are dense here);
-# the vocabulary padded to 128 rows at TP1 and TP2
+# multi-latent attention and a dense layer before MoE layers, as DeepSeek-V3, whose MTP layer is an MoE layer as the
+# last decoder layer is; the vocabulary padded to 128 rows at TP1 and TP2
 DEEPSEEK = {**PLANNED, "mtp_num_layers": 1, "train_iters": 2, "make_vocab_size_divisible_by": 64}
 
 
@@ -162,6 +162,7 @@ LAYOUTS = {
     "pp2_vp2": ({**LLAMA, "num_layers": 4}, {"pipeline_model_parallel_size": 2,
                                              "num_virtual_stages_per_pipeline_rank": 2}),
     "mla_moe_tp2": (DEEPSEEK, {"tensor_model_parallel_size": 2}),
+    "mla_moe_ep2": (DEEPSEEK, {"expert_model_parallel_size": 2}),
     "cp2_p2p_eod_masked": ({**LLAMA, "eod_mask_loss": True}, {"context_parallel_size": 2}),
     "cp2_a2a_per_token": ({**LLAMA, "calculate_per_token_loss": True}, {"context_parallel_size": 2,
                                                                         "cp_comm_type": "a2a"}),
@@ -201,6 +202,8 @@ def test_mtp_trains_as_one_process_under_tp2_sp_cp2_pp2_vp2_and_dp2_zero1():
     assert [r["pp2_vp2"][2] for r in per_rank] == [[(True, False, False), (False, False, False)],
                                                   [(False, False, False), (False, True, True)]]
     assert any(n.startswith("mtp.layers.1.") for n, _ in join_shards([references["tp2_sp"][1]]))
+    assert "mtp.layers.0.transformer_layer.mlp.experts.3.linear_fc2.weight" in {
+        n for n, _ in join_shards([references["mla_moe_ep2"][1]])}
 
 
 # ---------------------------------------------------------------------------------------------------

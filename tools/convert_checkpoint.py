@@ -62,6 +62,13 @@ def hf_to_mlite(args) -> str:
     hf_config = safetensors_files.read_hf_config(args.load_dir)
     family = configs.family_of_hf(hf_config)
     values = configs.model_values_from_hf(hf_config)
+    hf = safetensors_files.HFWeights(args.load_dir)
+    hf.names = weights.normalize_hf_names(family, [n for n in hf.names if weights.is_weight(n)])
+    if values.get("mtp_num_layers") and not weights.stored_mtp_modules(hf.names, values["num_layers"]):
+        print(f"note: config.json names {values['mtp_num_layers']} multi-token prediction module(s) "
+              f"(num_nextn_predict_layers) and the weights hold none, as transformers saves them: converting "
+              f"without", file=sys.stderr)
+        values["mtp_num_layers"] = None
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     try:  # validated as a run on mock data (there is no corpus yet); the saved configuration names no data
         config = make_config({**values, "mock_data": True, "tensor_model_parallel_size": tp,
@@ -69,8 +76,6 @@ def hf_to_mlite(args) -> str:
     except ConfigError as error:
         raise ConversionError(f"cannot build this model at TP{tp} x PP{pp}: {error}") from None
     config.data.mock_data = False
-    hf = safetensors_files.HFWeights(args.load_dir)
-    hf.names = weights.normalize_hf_names(family, [n for n in hf.names if weights.is_weight(n)])
     if not config.model.untie_embeddings_and_output_weights:
         hf.names.pop("lm_head.weight", None)  # a tied copy some files carry; transformers ignores it too
     problems = weights.shape_problems(hf.shapes(), weights.hf_shapes(family, config.model), args.load_dir)

@@ -28,7 +28,7 @@ from megatron_lite.hf.configs import ConversionError
 from megatron_lite.model.sharding import load_global_tensors
 from megatron_lite.parallel.state import TensorSplit
 
-MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 CONVERTED_RNG_LAYOUT = "none (converted checkpoint)"  # never equals a run's layout: no RNG state to restore
 # Model fields that are choices of a run rather than properties of the weights: left out of model.yaml.
 _RUN_CHOICES = {"model_preset", "recompute_granularity", "recompute_num_layers", "attention_backend"}

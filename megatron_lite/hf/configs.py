@@ -159,7 +159,8 @@ def _gpt2_values(hf: dict) -> dict:
 _YARN_FLAGS = {"factor": "rotary_scaling_factor", "original_max_position_embeddings":
                "yarn_original_max_position_embeddings", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
 _DEEPSEEK_INTEGER_KEYS = ("n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
-                          "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                          "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                          "num_nextn_predict_layers")
 _DEEPSEEK_NUMBER_KEYS = ("routed_scaling_factor", "mscale", "mscale_all_dim", "attention_factor", "beta_fast",
                          "beta_slow", "factor")
 
@@ -196,7 +197,8 @@ def _yarn_values(hf: dict) -> dict:
 def _deepseek_v3_values(hf: dict) -> dict:
     """DeepSeek-V3: multi-latent attention with its latent norms (--qk-layernorm), first_k_dense_replace dense
     layers (--moe-layer-freq), sigmoid routing renormalized over the top k with an expert bias, group-limited,
-    scaled by routed_scaling_factor, and n_shared_experts shared experts as one shared MLP."""
+    scaled by routed_scaling_factor, n_shared_experts shared experts as one shared MLP, and
+    num_nextn_predict_layers multi-token prediction modules."""
     _refuse(not hf.get("rope_interleave", True), "a deepseek_v3 without rope_interleave")
     _refuse(not hf.get("norm_topk_prob", True), "a deepseek_v3 without norm_topk_prob")
     _refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func {hf.get('scoring_func')!r}")
@@ -218,7 +220,7 @@ def _deepseek_v3_values(hf: dict) -> dict:
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
-        moe_shared_expert_intermediate_size=shared)
+        moe_shared_expert_intermediate_size=shared, mtp_num_layers=hf.get("num_nextn_predict_layers") or None)
     return values
 
 
@@ -413,7 +415,8 @@ def _deepseek_v3_config(m: ModelConfig) -> dict:
             "n_shared_experts": m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size,
             "num_experts_per_tok": m.moe_router_topk, "first_k_dense_replace": pattern.index(True),
             "n_group": m.moe_router_num_groups or 1, "topk_group": m.moe_router_group_topk or 1,
-            "norm_topk_prob": True, "routed_scaling_factor": m.moe_router_topk_scaling_factor or 1.0}
+            "norm_topk_prob": True, "routed_scaling_factor": m.moe_router_topk_scaling_factor or 1.0,
+            **({"num_nextn_predict_layers": m.mtp_num_layers} if m.mtp_num_layers else {})}
 
 
 _TO_HF = {"llama": _llama_config, "qwen2": lambda m: _qwen_config(m, "qwen2", "Qwen2ForCausalLM"),

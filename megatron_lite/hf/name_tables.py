@@ -2,7 +2,8 @@
 
 A table is a list of `Rule`s read in both directions (weights.py): import joins each rule's HF tensors into
 ours, export splits ours back into the HF tensors, and the HF shapes a configuration implies come from the
-same rules. Names are templates: `{layer}` runs over the layers, `{expert}` over the routed experts.
+same rules. Names are templates: `{layer}` runs over the layers, `{expert}` over the routed experts, `{depth}`
+over the multi-token prediction modules (DeepSeek-V3's, stored as the layers after the decoder's).
 Adding a family is one function here returning its table (and its config.json mapping in configs.py).
 
 The transforms between the two layouts:
@@ -82,12 +83,15 @@ class Rule:
 class NameTable:
     """The rules of a family: before the layers, per layer (`{layer}`, and `{expert}` in expert rules), after.
     With `dense_layer`, `layer` holds the MoE layers' rules and `dense_layer` those of the dense layers of
-    --moe-layer-freq (DeepSeek-V3's first layers)."""
+    --moe-layer-freq (DeepSeek-V3's first layers). `mtp` holds a multi-token prediction module's own rules
+    (`{depth}` ours, `{layer}` the HF layer it is stored as); its transformer layer takes the decoder layers'
+    rules under our `mtp.layers.{depth}.transformer_layer.` (None: the family stores no such modules)."""
 
     head: list[Rule]
     layer: list[Rule]
     tail: list[Rule]
     dense_layer: list[Rule] | None = None
+    mtp: list[Rule] | None = None
 
 
 def _h(m):
@@ -247,7 +251,23 @@ def deepseek_v3_table(m: ModelConfig) -> NameTable:
     dense = _swiglu_mlp(ours, theirs, lambda m: m.ffn_hidden_size)
     attention = _latent_attention(m)
     table = _llama_table(m, [])
-    return NameTable(head=table.head, layer=attention + moe, tail=table.tail, dense_layer=attention + dense)
+    return NameTable(head=table.head, layer=attention + moe, tail=table.tail, dense_layer=attention + dense,
+                     mtp=_deepseek_v3_mtp(m))
+
+
+def _deepseek_v3_mtp(m: ModelConfig) -> list[Rule]:
+    """DeepSeek-V3's multi-token prediction module as published (layer num_hidden_layers + depth): its norms, the
+    2h -> h projection and the final norm (shared_head.norm), and copies of the embedding and output layer that
+    the module shares with the model (embed_tokens, shared_head.head), read back as the model's own tables."""
+    ours, theirs = "mtp.layers.{depth}.", "model.layers.{layer}."
+    head = "output_layer.weight" if m.untie_embeddings_and_output_weights else "embedding.word_embeddings.weight"
+    return [Rule("embedding.word_embeddings.weight", (theirs + "embed_tokens.weight",),
+                 lambda m: ((m.vocab_size, _h(m)),), VOCAB_ROWS),
+            Rule(ours + "enorm.weight", (theirs + "enorm.weight",), lambda m: ((_h(m),),)),
+            Rule(ours + "hnorm.weight", (theirs + "hnorm.weight",), lambda m: ((_h(m),),)),
+            Rule(ours + "eh_proj.weight", (theirs + "eh_proj.weight",), lambda m: ((_h(m), 2 * _h(m)),)),
+            Rule(ours + "final_layernorm.weight", (theirs + "shared_head.norm.weight",), lambda m: ((_h(m),),)),
+            Rule(head, (theirs + "shared_head.head.weight",), lambda m: ((m.vocab_size, _h(m)),), VOCAB_ROWS)]
 
 
 NAME_TABLES: dict[str, Callable[[ModelConfig], NameTable]] = {

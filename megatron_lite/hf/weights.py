@@ -9,13 +9,15 @@ anything is converted. RoPE needs no permutation: ours is HF's "rotate half" lay
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.hf.name_tables import NAME_TABLES, Rule
-from megatron_lite.model.layer_pattern import moe_layer_pattern
+from megatron_lite.hf.configs import ConversionError
+from megatron_lite.hf.name_tables import NAME_TABLES, NameTable, Rule
+from megatron_lite.model.layer_pattern import is_moe_layer, moe_layer_pattern
 
 # Buffers some HF checkpoints carry that are not weights.
 _NOT_WEIGHTS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
@@ -44,8 +46,34 @@ def _expanded(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[
             experts = range(m.num_experts) if "{expert}" in rule.ours else (None,)
             for expert in experts:
                 yield rule, {"layer": layer, "expert": expert}
+    for depth in range(m.mtp_num_layers or 0):
+        layer = m.num_layers + depth  # where the module is stored, and the global number of its layer
+        for rule in _mtp_rules(table, is_moe_layer(m, layer) or table.dense_layer is None):
+            experts = range(m.num_experts) if "{expert}" in rule.ours else (None,)
+            for expert in experts:
+                yield rule, {"layer": layer, "depth": depth, "expert": expert}
     for rule in table.tail:
         yield rule, {}
+
+
+def _mtp_rules(table: NameTable, moe: bool) -> list[Rule]:
+    """A multi-token prediction module's rules: its own, then its transformer layer's (a decoder layer's rules of
+    the same kind, under our module's name)."""
+    if table.mtp is None:
+        raise ConversionError("this Hugging Face family stores no multi-token prediction modules: convert without "
+                              "--mtp-num-layers")
+    inner = [dataclasses.replace(rule, ours=rule.ours.replace("decoder.layers.{layer}.",
+                                                              "mtp.layers.{depth}.transformer_layer."))
+             for rule in (table.layer if moe else table.dense_layer)]
+    return table.mtp + inner
+
+
+def stored_mtp_modules(hf_names, num_layers: int) -> int:
+    """How many multi-token prediction modules HF tensors hold: the layers stored after the decoder's
+    `num_layers` (DeepSeek-V3 keeps its module as layer 61 of 61; transformers saves none)."""
+    layers = {int(name.split(".")[2]) for name in hf_names
+              if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
+    return len({layer for layer in layers if layer >= num_layers})
 
 
 def _names(rule: Rule, values: dict) -> tuple[str, list[str]]:
@@ -82,14 +110,22 @@ def to_megatron(family: str, hf, m: ModelConfig, layers: Callable = iter) -> dic
     out = {}
     for rule, values in _expanded(family, m, layers):
         ours, theirs = _names(rule, values)
-        out[ours] = rule.transform.join([hf[name] for name in theirs], m)
+        tensor = rule.transform.join([hf[name] for name in theirs], m)
+        if ours in out and not (tensor.is_meta or torch.equal(out[ours], tensor)):  # a module's copy of a table
+            raise ConversionError(f"'{theirs[0]}' differs from the tensor it copies ({ours} in ours): the "
+                                  f"multi-token prediction module shares the model's embedding and output layer")
+        out[ours] = tensor
     return out
 
 
 def to_hf(family: str, tensors: dict, m: ModelConfig, layers: Callable = iter) -> dict[str, torch.Tensor]:
     """Global megatron_lite tensors -> HF weights under save_pretrained's names (any vocabulary padding dropped)."""
-    out = {}
+    out, exported = {}, set()
     for rule, values in _expanded(family, m, layers):
         ours, theirs = _names(rule, values)
-        out.update(zip(theirs, rule.transform.split(tensors[ours], m), strict=True))
+        pieces = rule.transform.split(tensors[ours], m)
+        if ours in exported:  # a multi-token prediction module's copy of a table: stored on its own
+            pieces = [piece.clone() for piece in pieces]
+        exported.add(ours)
+        out.update(zip(theirs, pieces, strict=True))
     return out

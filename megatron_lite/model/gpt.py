@@ -103,7 +103,8 @@ class GPTModel(torch.nn.Module):
                     valid_rows=config.vocab_size, skip_weight_param_allocation=self.share_embeddings and has_embedding,
                     tied_copy=self.share_embeddings and not has_embedding)
             self.mtp = (MultiTokenPrediction(config, pstate, sequence_parallel=sequence_parallel,
-                                             attention_backend=backend, rng_tracker=tracker, cp_comm_type=cp_comm_type)
+                                             attention_backend=backend, rng_tracker=tracker, cp_comm_type=cp_comm_type,
+                                             mlp_factory=mlp_factory)
                         if self.has_mtp else None)
         initialize_parameters(self.named_global_parameters(), seed, config.init_method_std, config.num_layers,
                               pstate.tensor_split)

@@ -93,8 +93,11 @@ def _parsed(freq: int | str, num_layers: int) -> tuple[bool, ...]:
 
 
 def is_moe_layer(config: ModelConfig, layer_number: int) -> bool:
-    """Whether global layer `layer_number` (0-based) is an MoE layer."""
-    return moe_layer_pattern(config)[layer_number]
+    """Whether global layer `layer_number` (0-based) is an MoE layer. A multi-token prediction layer (numbered
+    after the decoder's, model/mtp.py) is of the last decoder layer's kind, as Megatron builds it: DeepSeek-V3's
+    is an MoE layer."""
+    pattern = moe_layer_pattern(config)
+    return pattern[min(layer_number, len(pattern) - 1)]
 
 
 def layer_pattern_problems(config: ModelConfig) -> list[str]:

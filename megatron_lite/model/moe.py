@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import Config, ModelConfig
-from megatron_lite.model.layer_pattern import moe_layer_pattern
+from megatron_lite.model.layer_pattern import is_moe_layer
 from megatron_lite.model.loss_scaling import auxiliary_loss_weight
 from megatron_lite.model.moe_experts import GroupedExperts, SharedExpertMLP
 from megatron_lite.model.moe_router import MoEAuxLossAutoScaler, RouterLosses, TopKRouter, capacity_keep_mask
@@ -160,16 +160,14 @@ class MoELayer(torch.nn.Module):
 
 
 def moe_mlp_factory(config: Config, pstate: ParallelState):
-    """GPTModel's `mlp_factory`: an MoELayer for each MoE layer of --moe-layer-freq, None (the dense MLP)
-    for the others; None altogether for a dense model."""
+    """GPTModel's `mlp_factory`: an MoELayer for each MoE layer of --moe-layer-freq (and multi-token prediction
+    layers after an MoE last layer), None (the dense MLP) for the others; None altogether for a dense model."""
     m = config.model
     if not m.num_experts:
         return None
 
-    pattern = moe_layer_pattern(m)
-
     def build(layer_number: int) -> MoELayer | None:
-        if not pattern[layer_number]:
+        if not is_moe_layer(m, layer_number):
             return None
         return MoELayer(m, pstate, layer_number, sequence_parallel=config.parallel.sequence_parallel,
                         token_dispatcher=m.moe_token_dispatcher_type)
@@ -191,7 +189,7 @@ def update_expert_biases(model_chunks, pstate: ParallelState, config: Config) ->
         return
     layers = moe_layers(model_chunks)
     device = next(model_chunks[0].parameters()).device
-    table = torch.zeros(m.num_layers, m.num_experts, dtype=torch.float64, device=device)
+    table = torch.zeros(_numbered_layers(m), m.num_experts, dtype=torch.float64, device=device)
     for layer in layers:
         if layer.load_since_bias_update is not None:
             table[layer.layer_number] = layer.load_since_bias_update
@@ -219,9 +217,16 @@ def load_moe_statistics(model_chunks, saved: list[tuple]) -> None:
         layer.load_since_bias_update = None if load is None else load.clone()
 
 
+def _numbered_layers(config: ModelConfig) -> int:
+    """Decoder layers, then multi-token prediction layers: the global layer numbers in use."""
+    return config.num_layers + (config.mtp_num_layers or 0)
+
+
 def moe_layer_numbers(config: ModelConfig) -> list[int]:
-    """Global indices of the MoE layers."""
-    return [number for number, moe in enumerate(moe_layer_pattern(config)) if moe]
+    """Global indices of the MoE layers, multi-token prediction layers included (numbered after the decoder's)."""
+    if not config.num_experts:
+        return []
+    return [number for number in range(_numbered_layers(config)) if is_moe_layer(config, number)]
 
 
 @torch.no_grad()
@@ -235,7 +240,8 @@ def moe_metrics(model_chunks, pstate: ParallelState, config: Config) -> dict:
         return {}
     layers = moe_layers(model_chunks)
     device = next(model_chunks[0].parameters()).device
-    table = torch.zeros(m.num_layers, _TOKENS_PER_EXPERT + m.num_experts, dtype=torch.float64, device=device)
+    table = torch.zeros(_numbered_layers(m), _TOKENS_PER_EXPERT + m.num_experts, dtype=torch.float64,
+                        device=device)
     for layer in layers:
         if layer.statistics is not None:
             table[layer.layer_number] = layer.statistics
