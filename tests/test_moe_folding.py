@@ -10,6 +10,8 @@ replicas) with a gated shared expert, sigmoid routing with an expert bias and th
 gradients, without): the losses and MoE metrics of 4 steps and the first step's gradients of every router, expert
 and shared-expert weight equal one process; with a capacity factor the same token copies are dropped. A checkpoint
 saved folded resumes unfolded (ETP = TP) and on one process, and the losses continue as the uninterrupted run's.
+Muon (which orthogonalises each expert whole, gathered over its expert-tensor-parallel shards) at TP1 x DP4 with
+ETP2 x EP2, and at TP2 x DP2 with ETP1 under --muon-tp-mode distributed, trains as one process.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ MODERN = {**MOE, "moe_router_score_function": "sigmoid", "moe_router_enable_expe
           "moe_router_bias_update_rate": 0.002, "moe_shared_expert_intermediate_size": 32,
           "moe_shared_expert_gate": True, "use_distributed_optimizer": True}
 CAPACITY = {**MOE, "moe_expert_capacity_factor": 1.0}
+MUON = {**MOE, "optimizer": "muon", "lr": 1e-2}
 ONE_STEP = {"train_iters": 1, "lr_warmup_iters": 0, "use_distributed_optimizer": False}  # whole gradients
 
 SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
@@ -47,7 +50,12 @@ LAYOUTS = {  # name: (model, flags), on 4 ranks
     "capacity_tp2_dp2_etp1_ep4": (CAPACITY, {**SP, "expert_tensor_parallel_size": 1,
                                              "expert_model_parallel_size": 4}),
     "capacity_tp1_dp4_etp2_ep2": (CAPACITY, {"expert_tensor_parallel_size": 2, "expert_model_parallel_size": 2}),
+    # Muon orthogonalises each expert over its expert-tensor-parallel shards, attention's over TP
+    "muon_tp1_dp4_etp2_ep2": (MUON, {"expert_tensor_parallel_size": 2, "expert_model_parallel_size": 2}),
+    "muon_tp2_dp2_etp1_ep2_distributed": (MUON, {**SP, "expert_tensor_parallel_size": 1,
+                                                 "expert_model_parallel_size": 2, "muon_tp_mode": "distributed"}),
 }
+REFERENCES = {"moe": MOE, "modern": MODERN, "capacity": CAPACITY, "muon": MUON}
 FOLDED = {**SP, "expert_tensor_parallel_size": 1, "expert_model_parallel_size": 4}
 UNFOLDED = {**SP, "expert_model_parallel_size": 2}  # ETP = TP = 2
 
@@ -157,7 +165,7 @@ def _on_four_ranks(root: str) -> dict:
     runs = {}
     for name, (model, flags) in LAYOUTS.items():
         runs[name] = _train({**model, **flags}, 4)
-        if not name.startswith("capacity"):
+        if name.startswith(("tp", "modern")):
             runs[f"one_step_{name}"] = _train({**model, **flags, **ONE_STEP}, 4)
     runs["saved folded"] = _losses({**MODERN, **FOLDED, "exit_interval": 2, "save": f"{root}/folded"}, 4)
     runs["folded -> unfolded"] = _losses({**MODERN, **UNFOLDED, "load": f"{root}/folded"}, 4)
@@ -168,21 +176,26 @@ def _on_four_ranks(root: str) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("folding")
     per_rank = run_on_ranks(4, _on_four_ranks, str(root), timeout=900)
-    one_process = {model_name: _train(model, 1) for model_name, model in
-                   (("moe", MOE), ("modern", MODERN), ("capacity", CAPACITY))}
+    one_process = {model_name: _train(model, 1) for model_name, model in REFERENCES.items()}
     one_process |= {f"one_step_{name}": _train({**model, **ONE_STEP}, 1) for name, model in
                     (("moe", MOE), ("modern", MODERN))}
     one_process["folded -> one process"] = _losses({**MODERN, "load": f"{root}/folded"}, 1)
     return per_rank, one_process
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if not name.startswith("capacity")])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.startswith(("tp", "modern"))])
 def test_folded_layout_matches_one_process(layout, runs):
     per_rank, one_process = runs
     model = "modern" if layout.startswith("modern") else "moe"
     _assert_runs_match(layout, [ranks[layout] for ranks in per_rank], one_process[model])
     _assert_runs_match(layout, [ranks[f"one_step_{layout}"] for ranks in per_rank], one_process[f"one_step_{model}"],
                        compare_grads=True)
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.startswith("muon")])
+def test_folded_experts_under_muon_match_one_process(layout, runs):
+    per_rank, one_process = runs
+    _assert_runs_match(layout, [ranks[layout] for ranks in per_rank], one_process["muon"])
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.startswith("capacity")])
