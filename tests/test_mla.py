@@ -2,10 +2,10 @@
 and DeepSeek-V3 softmax scale; with and without a query latent, one forward and backward at TP2 and TP2 + SP
 equals one process (logits and the gradient of every parameter, so the replicated down-projections' and latent
 norms' gradients are summed over TP), and so does training under TP2 + SP (selective recomputation), PP2 (full
-recomputation) and CP2 (p2p, all-gather and a2a, V padded); the planner's activation bytes per token are what
-autograd saves (its parameter bytes: test_deepseek_v3.py); model FLOPs are the matmuls torch counts; and
-misconfigurations are one line. (Logits against transformers' DeepseekV3ForCausalLM
-are in test_deepseek_v3.py.)"""
+recomputation), CP2 (p2p, all-gather and a2a, V padded) and CP4 as a2a+p2p (2 x 2); the planner's activation
+bytes per token are what autograd saves (its parameter bytes: test_deepseek_v3.py); model FLOPs are the matmuls
+torch counts; and misconfigurations are one line. (Logits against transformers' DeepseekV3ForCausalLM are in
+test_deepseek_v3.py.)"""
 
 from __future__ import annotations
 
@@ -109,6 +109,17 @@ def test_mla_trains_as_one_process_under_tp_sp_pp_cp_and_recomputation():
     per_rank = run_on_ranks(2, _train_layouts)
     for name in TRAIN_LAYOUTS:
         assert_training_matches([results[name] for results in per_rank], expected, rel=1e-5, tensor_rel=1e-4)
+
+
+def _train_hierarchical_cp4() -> tuple:
+    return train_and_collect({**TRAIN, "context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
+                              "hierarchical_context_parallel_sizes": [2, 2]}, 4)
+
+
+def test_mla_trains_as_one_process_under_hierarchical_cp4_a2a_p2p():
+    """Heads exchanged by all-to-all within pairs of CP ranks, K/V (V padded to the query-key head size) around a
+    ring of the two pairs: losses, weights and gradients equal one process."""
+    assert_training_matches(run_on_ranks(4, _train_hierarchical_cp4), reference(TRAIN), rel=1e-5, tensor_rel=1e-4)
 
 
 def test_flops_per_token_are_the_matmuls_torch_counts():
