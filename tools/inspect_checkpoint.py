@@ -25,6 +25,7 @@ from megatron_lite.checkpoint.planner import CheckpointError, SafeFileSystemRead
 from megatron_lite.errors import UserError  # noqa: E402
 from megatron_lite.tool_args import ToolParser, non_negative_int  # noqa: E402
 
+_LAYOUT_KEYS = ("tp", "cp", "dp", "pp", "ep", "etp", "vp")  # etp only where it differs from tp
 
 def resolve(path: str, iteration: int | None) -> str:
     """An iteration directory: `path` itself, or the requested / newest complete one under it."""
@@ -47,11 +48,13 @@ def _natural(key: str):
 def describe(path: str, show_all: bool) -> list[str]:
     saved = directory.read_metadata(path)
     stored = SafeFileSystemReader(path).read_metadata()
-    layout = saved.get("layout", {})
+    layout = dict(saved.get("layout", {}))
+    if layout.get("etp") == layout.get("tp"):  # experts split as the dense layers: nothing to say
+        layout.pop("etp", None)
     lines = [f"checkpoint        {os.path.abspath(path)}",
              f"iteration         {saved['iteration']}",
              f"consumed samples  {saved['consumed_samples']}",
-             "saved in layout   " + " x ".join(f"{k.upper()}{layout[k]}" for k in ("tp", "cp", "dp", "pp", "ep", "vp")
+             "saved in layout   " + " x ".join(f"{k.upper()}{layout[k]}" for k in _LAYOUT_KEYS
                                                 if layout.get(k) is not None),
              f"optimizer         {saved.get('optimizer', {})}",
              f"saved at          {saved.get('saved_at')}  with {saved.get('versions')}",
