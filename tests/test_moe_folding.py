@@ -5,11 +5,12 @@ The coordinates: a stage's flat index tp + TP (cp + CP dp) read as etp-ep-edp, c
 out by hand and, with ETP = TP, against the unfolded layout's own definition (ep and edp split dp x cp).
 
 On one 4-rank world: TP2 x PP2 with the experts at ETP1 x EP2 (TP2 x EP2 at DP1), TP2 x DP2 at ETP1 x EP4, TP1 x DP4
-at ETP2 x EP2 (experts split over ranks that hold different tokens), and TP2 x DP2 at ETP1 x EP2 (two expert
-replicas) with a gated shared expert, sigmoid routing with an expert bias and the distributed optimizer (for the
-gradients, without): the losses and MoE metrics of 4 steps and the first step's gradients of every router, expert
-and shared-expert weight equal one process; with a capacity factor the same token copies are dropped. A checkpoint
-saved folded resumes unfolded (ETP = TP) and on one process, and the losses continue as the uninterrupted run's.
+and CP2 x DP2 at ETP2 x EP2 (experts split over ranks that hold different tokens), and TP2 x DP2 at ETP1 x EP2 (two
+expert replicas) with a gated shared expert, sigmoid routing with an expert bias and the distributed optimizer (for
+the gradients, without): the losses and MoE metrics of 4 steps and the first step's gradients of every router,
+expert and shared-expert weight equal one process; with a capacity factor the same token copies are dropped.
+A checkpoint saved folded resumes unfolded (ETP = TP) and on one process, and the losses continue as the
+uninterrupted run's.
 Muon (which orthogonalises each expert whole, gathered over its expert-tensor-parallel shards) at TP1 x DP4 with
 ETP2 x EP2, and at TP2 x DP2 with ETP1 under --muon-tp-mode distributed, trains as one process.
 """
@@ -46,6 +47,8 @@ LAYOUTS = {  # name: (model, flags), on 4 ranks
                                "expert_model_parallel_size": 2}),
     "tp2_dp2_etp1_ep4": (MOE, {**SP, "expert_tensor_parallel_size": 1, "expert_model_parallel_size": 4}),
     "tp1_dp4_etp2_ep2": (MOE, {"expert_tensor_parallel_size": 2, "expert_model_parallel_size": 2}),
+    "tp1_cp2_dp2_etp2_ep2": (MOE, {"context_parallel_size": 2, "expert_tensor_parallel_size": 2,
+                                   "expert_model_parallel_size": 2}),
     "modern_tp2_dp2_etp1_ep2": (MODERN, {**SP, "expert_tensor_parallel_size": 1, "expert_model_parallel_size": 2}),
     "capacity_tp2_dp2_etp1_ep4": (CAPACITY, {**SP, "expert_tensor_parallel_size": 1,
                                              "expert_model_parallel_size": 4}),
