@@ -7,8 +7,9 @@ out by hand and, with ETP = TP, against the unfolded layout's own definition (ep
 On one 4-rank world: TP2 x PP2 with the experts at ETP1 x EP2 (TP2 x EP2 at DP1), TP2 x DP2 at ETP1 x EP4, TP1 x DP4
 and CP2 x DP2 at ETP2 x EP2 (experts split over ranks that hold different tokens), and TP2 x DP2 at ETP1 x EP2 (two
 expert replicas) with a gated shared expert, sigmoid routing with an expert bias and the distributed optimizer (for
-the gradients, without): the losses and MoE metrics of 4 steps and the first step's gradients of every router,
-expert and shared-expert weight equal one process; with a capacity factor the same token copies are dropped.
+the gradients, without): the losses, gradient norms and MoE metrics of 4 steps and the first step's gradients of
+every router, expert and shared-expert weight equal one process; with a capacity factor the same token copies are
+dropped.
 A checkpoint saved folded resumes unfolded (ETP = TP) and on one process, and the losses continue as the
 uninterrupted run's.
 Muon (which orthogonalises each expert whole, gathered over its expert-tensor-parallel shards) at TP1 x DP4 with
@@ -146,6 +147,7 @@ def _assert_runs_match(name: str, rank_results: list[dict], reference: dict, com
         for step, (got, expected) in enumerate(zip(result["history"], reference["history"], strict=True)):
             where = f"{name} rank {rank} step {step + 1}"
             assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), where
+            assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), where  # experts counted once
             for key, value in expected.items():
                 if key.startswith(("moe_tokens_per_expert", "moe_dropped")):
                     assert got[key] == value, f"{where} {key}"
