@@ -12,10 +12,12 @@ schedule tried for pipelined layouts without virtual stages, the others keeping 
 1F1B; --optimizer-cpu-offload with --optimizer-offload-fraction holds for every layout; when validation refuses
 every layout its message is printed and the exit status is 2); with layout flags
 (--tensor-model-parallel-size, --pipeline-model-parallel-size, --context-parallel-size,
---expert-model-parallel-size, a virtual-stage flag, a ZeRO or recomputation flag)
+--expert-model-parallel-size, --expert-tensor-parallel-size, a virtual-stage flag, a ZeRO or recomputation flag)
 that one layout is planned per pipeline stage, and refused (exit status 1) when a rank
-would not fit, naming the rank and the bytes by which it is over. How each figure is predicted:
-megatron_lite/planning/.
+would not fit, naming the rank and the bytes by which it is over. When enumerating, a layout whose parameters,
+gradients and optimizer state alone exceed --gpu-memory-gib is counted but not planned further (its activations
+and step time are not computed, it is not listed, and the candidates differing from it only in recomputation or
+schedule are not validated) unless --all-layouts is given. How each figure is predicted: megatron_lite/planning/.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from megatron_lite.planning.step_time import Hardware  # noqa: E402
 from megatron_lite.tool_args import ToolParser, fraction, non_negative_int, positive_float, positive_int  # noqa: E402
 
 LAYOUT_FLAGS = {"tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
-                "expert_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                "expert_model_parallel_size", "expert_tensor_parallel_size", "num_layers_per_virtual_pipeline_stage",
                 "num_virtual_stages_per_pipeline_rank", "use_distributed_optimizer", "data_parallel_sharding_strategy",
                 "num_distributed_optimizer_instances", "recompute_granularity"}
 
@@ -58,6 +60,9 @@ def planner_parser() -> ToolParser:
                         help="shares of the optimizer state held in host memory to consider when enumerating (0 to "
                              "1); --optimizer-cpu-offload with --optimizer-offload-fraction plans that one only")
     parser.add_argument("--top", type=non_negative_int, default=20, help="layouts to list (default 20; 0: all)")
+    parser.add_argument("--all-layouts", action="store_true",
+                        help="also plan and list the layouts whose parameters, gradients and optimizer state alone "
+                             "exceed --gpu-memory-gib (slower; by default they are only counted)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
@@ -88,22 +93,27 @@ def main(argv: list[str] | None = None) -> int:
         fractions = tuple(args.offload_fractions)
         if values.pop("optimizer_cpu_offload", False):
             fractions = (values.pop("optimizer_offload_fraction", 1.0),)
-        plans, refused = enumerate_plans(values, args.world_size, memory, hardware, schedules, fractions)
+        found = enumerate_plans(values, args.world_size, memory, hardware, schedules, fractions, args.all_layouts)
     except UserError as error:
         print(f"plan_layout.py: error: {error}", file=sys.stderr)
         return 2
-    if not plans:
+    plans, refused = found.plans, found.refused
+    if not plans and not found.over_in_state:
         print(f"plan_layout.py: error: {_refusal_of_all(refused)}", file=sys.stderr)
         return 2
     top = args.top or None
     if args.json:
         print(json.dumps({"world_size": args.world_size, "gpu_memory_bytes": memory,
                           "refused_by_validation": refused.total(),
+                          "not_planned_state_over_memory": found.over_in_state,
                           "layouts": [report.plan_record(plan) for plan in plans[:top]]}, indent=1))
         return 0
     fitting = [plan for plan in plans if plan.fits]
     print(f"{len(plans)} valid layouts ({refused.total()} refused by validation), {len(fitting)} fit in "
           f"{args.gpu_memory_gib:g} GiB; fastest first:")
+    if found.over_in_state:
+        print(f"({found.over_in_state} more not planned: their parameters, gradients and optimizer state alone "
+              f"exceed {args.gpu_memory_gib:g} GiB; --all-layouts plans them too)")
     if schedules != ("1f1b",):
         print(f"(--pipeline-schedule {' / '.join(schedules)} for pipelined layouts without virtual stages; "
               "the others run without pipelining or interleaved 1F1B)")

@@ -15,6 +15,11 @@ bf16/fp16, 4 in fp32) and tp-local widths:
                                  log-sum-exp per head
   MLP                            fc1 output e c ffn / tp (c = 2 for SwiGLU), the activation's output
                                  e ffn / tp, and SwiGLU's product e ffn / tp
+  MoE layer's MLP                e h per token of the expert region and, for k copies of each, the routed
+                                 experts' fc1 output, activation and product, ffn / etp wide (ETP:
+                                 --expert-tensor-parallel-size); the region is the ETP group's tokens (s/tp
+                                 each, gathered) where its ranks hold different ones, else the rank's s; the
+                                 shared expert's tensors are not counted
 
 Norms see s/tp tokens under sequence parallelism; everything else s (the local s/cp with context parallelism).
 Each chunk keeps its RoPE cos and sin tables. The last stage adds the final norm, the output layer's input e
@@ -56,14 +61,16 @@ recomputed (selective), which saves only its inputs; the kernels' own saves are 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
-from megatron_lite.model.layer_pattern import is_moe_layer
+from megatron_lite.model.layer_pattern import is_moe_layer, moe_layer_pattern
 from megatron_lite.pipeline.layer_split import model_chunk_plans
-from megatron_lite.planning.state_memory import FP32, chunk_buckets, param_bytes, zero_stage_of
+from megatron_lite.planning.bucket_tables import chunk_table
+from megatron_lite.planning.param_shapes import expert_tensor_parallel_size
+from megatron_lite.planning.shared_cache import per_config
+from megatron_lite.planning.state_memory import FP32, group_sizes, param_bytes, zero_stage_of
 
 INDEX = 8  # int64 token ids and labels
 
@@ -106,8 +113,20 @@ def latent_attention_bytes(config: Config) -> int:
     return latents + e * nh * (2 * q_dim + values + m.v_head_dim)
 
 
-def layer_bytes(config: Config, layer_number: int) -> int:
-    """Bytes one micro-batch saves in one transformer layer without recomputation."""
+def expert_region_tokens(config: Config) -> int:
+    """Tokens of one micro-batch that a rank's routed experts serve (model/moe.py's expert region): the ETP group's,
+    all-gathered when its ranks hold different tokens (sequence parallelism, or ETP ranks that are not the rank's
+    TP peers under folding), else the rank's own. With ETP = TP that is every local token."""
+    p = config.parallel
+    tokens, stream = _tokens(config)
+    etp = expert_tensor_parallel_size(config)
+    return stream * etp if p.sequence_parallel or etp != p.tensor_model_parallel_size else tokens
+
+
+def layer_bytes(config: Config, moe: bool = False) -> int:
+    """Bytes one micro-batch saves in one transformer layer (an MoE layer with `moe`) without recomputation. An
+    MoE layer's MLP terms are the expert region's tokens (the experts' input) and k copies of them through the
+    expert FFN, ffn / etp wide."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     e = param_bytes(config)
     tokens, stream = _tokens(config)
@@ -120,12 +139,13 @@ def layer_bytes(config: Config, layer_number: int) -> int:
         per_token += e * (nh + 2 * ng) * d  # QKV output
         per_token += e * (nh + ng) * d if m.position_embedding_type == "rope" else e * nh * d
         per_token += e * nh * d + lse
-    per_token += e * h  # fc1 input
-    moe = is_moe_layer(m, layer_number)
-    ffn = m.moe_ffn_hidden_size * m.moe_router_topk if moe else m.ffn_hidden_size
-    ffn //= tp
-    per_token += e * ffn * (2 + 2) if m.swiglu else e * ffn * 2
-    return tokens * per_token + stream * 2 * _norm_bytes(config, e)
+    widths = 4 if m.swiglu else 2  # fc1 output (2 ffn wide with SwiGLU), the activation's output, the product
+    if moe:
+        ffn = m.moe_router_topk * (m.moe_ffn_hidden_size // expert_tensor_parallel_size(config))
+        mlp = expert_region_tokens(config) * e * (h + ffn * widths)
+    else:
+        mlp = tokens * e * (h + m.ffn_hidden_size // tp * widths)
+    return tokens * per_token + mlp + stream * 2 * _norm_bytes(config, e)
 
 
 def _recomputed_layers(config: Config, chunk_num_layers: int) -> list[bool]:
@@ -161,15 +181,15 @@ def head_bytes(config: Config) -> tuple[int, int]:
 def mtp_bytes(config: Config) -> int:
     """Bytes one micro-batch saves in the multi-token prediction modules (model/mtp.py), 0 without them: per depth
     the shifted token ids and labels, its two input norms, the projection's input e 2h (the whole sequence under
-    sequence parallelism), a dense transformer layer (never recomputed), and a head as the main one's."""
+    sequence parallelism), a transformer layer of the last decoder layer's kind (never recomputed), and a head as
+    the main one's."""
     m = config.model
     if not m.mtp_num_layers:
         return 0
     e = param_bytes(config)
     tokens, stream = _tokens(config)
-    dense = dataclasses.replace(config, model=dataclasses.replace(m, num_experts=None))
     per_depth = (2 * tokens * INDEX + 2 * stream * _norm_bytes(config, e) + tokens * e * 2 * m.hidden_size
-                 + layer_bytes(dense, 0) + head_bytes(config)[0])
+                 + layer_bytes(config, moe=is_moe_layer(m, m.num_layers)) + head_bytes(config)[0])
     return m.mtp_num_layers * per_depth
 
 
@@ -199,20 +219,32 @@ def _zero_buffers(config: Config, chunks) -> tuple[int, int]:
     weight = param_bytes(config)
     forward = backward = 0
     for chunk in chunks:
-        buckets = chunk_buckets(config, chunk)
-        dense = [bucket.numel for bucket in buckets if not bucket.expert]
-        grads = FP32 * (max(dense, default=0) + sum(bucket.numel for bucket in buckets if bucket.expert))
+        grads, own, layers = chunk_table(config, chunk).zero_buffers(group_sizes(config),
+                                                                     2 if p.overlap_param_gather else 1)
         gathered_forward = gathered_backward = 0
         if stage.shards_params:
-            units: dict[int, int] = {}
-            for bucket in buckets:
-                units[bucket.unit] = units.get(bucket.unit, 0) + bucket.numel
-            own = units.pop(-1, 0)
-            layers = sorted(units.values(), reverse=True)[:2 if p.overlap_param_gather else 1]
-            gathered_forward, gathered_backward = weight * own, weight * (own + sum(layers))
+            gathered_forward, gathered_backward = weight * own, weight * (own + layers)
         forward = max(forward, gathered_forward)
-        backward = max(backward, grads + gathered_backward)
+        backward = max(backward, FP32 * grads + gathered_backward)
     return forward, backward
+
+
+@dataclass(frozen=True)
+class _LayoutTerms:
+    """What every stage of a layout shares: the bytes a dense and an MoE layer save, the head's (saved, transient)
+    and multi-token prediction's bytes, backward's gradients and FP8's buffers."""
+
+    layers: tuple[int, int]
+    head: tuple[int, int]
+    mtp: int
+    backward_gradients: int
+    fp8: int
+
+    @classmethod
+    def of(cls, config: Config) -> _LayoutTerms:
+        moe = any(moe_layer_pattern(config.model))
+        return cls((layer_bytes(config), layer_bytes(config, moe=True) if moe else 0), head_bytes(config),
+                   mtp_bytes(config), _backward_gradients(config), fp8_gemm_bytes(config))
 
 
 def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> ActivationBytes:
@@ -224,9 +256,12 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
     pp, micro = p.pipeline_model_parallel_size, config.num_microbatches
     chunks = model_chunk_plans(config, pp_rank)
     chunk_saved, rebuild = [], 0
+    terms = per_config(config, "activation terms", lambda: _LayoutTerms.of(config))
+    pattern = moe_layer_pattern(m)
     for chunk in chunks:
         recomputed = _recomputed_layers(config, chunk.num_layers)
-        layers = [layer_bytes(config, chunk.layer_offset + i) for i in range(chunk.num_layers)]
+        layers = [terms.layers[pattern[number]]
+                  for number in range(chunk.layer_offset, chunk.layer_offset + chunk.num_layers)]
         saved = sum(size for size, again in zip(layers, recomputed) if not again)
         saved += _unit_inputs(config, chunk.num_layers) * stream * e * m.hidden_size
         if m.position_embedding_type == "rope":  # each chunk's cos and sin tables, [s/cp, 1, 1, d] fp32
@@ -243,8 +278,8 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
             unit = m.recompute_num_layers if m.recompute_method == "uniform" else 1
             # In fp32 the first norm's input is the unit's input itself, already held.
             rebuild = max(rebuild, unit * max(layers) - (stream * e * m.hidden_size if e == FP32 else 0))
-    head_saved, head_transient = head_bytes(config) if chunks[-1].post_process else (0, 0)
-    head_saved += mtp_bytes(config) if chunks[-1].post_process else 0
+    head_saved, head_transient = terms.head if chunks[-1].post_process else (0, 0)
+    head_saved += terms.mtp if chunks[-1].post_process else 0
     per_microbatch = sum(chunk_saved) + head_saved
     v = len(chunks)
     if schedule == "gpipe":
@@ -260,8 +295,7 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
         in_flight, head_live = 1, 1
     zero_forward, zero_backward = _zero_buffers(config, chunks)
     layers_held = in_flight * sum(chunk_saved)
-    backward_transient = (rebuild + _backward_gradients(config) + _tied_weight_gradient(config, chunks)
-                          + zero_backward)
+    backward_transient = rebuild + terms.backward_gradients + _tied_weight_gradient(config, chunks) + zero_backward
     waiting, weight_pass, backward_heads = 0, 0, head_live - 1
     if schedule == "zb-h1":
         # Forwards and B run with one fewer W waiting than the most; that most is reached when a B ends, its
@@ -270,9 +304,9 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
         # B keeps the graph for W, so the loss's tensors (not W's) stay through B, until the schedule drops
         # the loss as B and the W that follows it end; the logits' gradient is made beside them.
         backward_heads = 1
-    backward_transient += fp8_gemm_bytes(config)
+    backward_transient += terms.fp8
     forward_peak = (layers_held + waiting * weight_pass + head_live * head_saved + head_transient + zero_forward
-                    + fp8_gemm_bytes(config))
+                    + terms.fp8)
     backward_peak = (layers_held + waiting * weight_pass + backward_heads * (head_saved + head_transient)
                      + max(backward_transient, weight_pass))
     peak = max(forward_peak, backward_peak)
@@ -307,8 +341,11 @@ def _backward_gradients(config: Config) -> int:
     activation's output and of fc1's output once the activation's output is freed."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     tokens, stream = _tokens(config)
-    ffn = max(m.ffn_hidden_size, m.moe_ffn_hidden_size * m.moe_router_topk if m.num_experts else 0) // tp
-    return param_bytes(config) * (stream * m.hidden_size + tokens * (2 if m.swiglu else 1) * ffn)
+    widest = tokens * (m.ffn_hidden_size // tp)  # rows x ffn-wide columns: a dense MLP's, or the routed experts'
+    if m.num_experts:
+        experts = m.moe_router_topk * (m.moe_ffn_hidden_size // expert_tensor_parallel_size(config))
+        widest = max(widest, expert_region_tokens(config) * experts)
+    return param_bytes(config) * (stream * m.hidden_size + (2 if m.swiglu else 1) * widest)
 
 
 def waiting_weight_passes(pp: int, pp_rank: int, micro: int) -> int:
@@ -357,7 +394,7 @@ def weight_pass_bytes(config: Config, chunk) -> int:
         moe = is_moe_layer(m, layer_number)
         if moe:
             size += stream * FP32 * m.num_experts  # the router's GEMM runs in fp32
-            expert_ffn = m.moe_ffn_hidden_size // tp
+            expert_ffn = m.moe_ffn_hidden_size // expert_tensor_parallel_size(config)
             size += m.num_experts // p.expert_model_parallel_size * (gated + 1) * expert_ffn * h * e
             shared = m.moe_shared_expert_intermediate_size
             if shared:

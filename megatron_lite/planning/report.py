@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 from megatron_lite.config import Config
 from megatron_lite.planning.layouts import Plan, plan_layout
+from megatron_lite.planning.param_shapes import expert_tensor_parallel_size
 from megatron_lite.planning.state_memory import zero_stage_of
 from megatron_lite.planning.step_time import Hardware
 
@@ -14,7 +15,8 @@ GIB = 2**30
 
 def layout_name(plan: Plan) -> str:
     """tp2 cp1 pp4 vp2 dp8 ep1 ZeRO-1 instances=2 recompute=full 1f1b offload=0.5, in Megatron's terms (instances:
-    --num-distributed-optimizer-instances, when above 1)."""
+    --num-distributed-optimizer-instances, when above 1; etpN after epN: --expert-tensor-parallel-size, where it
+    differs from TP)."""
     c = plan.config
     p, m = c.parallel, c.model
     stage = zero_stage_of(c)
@@ -24,6 +26,9 @@ def layout_name(plan: Plan) -> str:
              f"vp{c.virtual_pipeline_stages or 1}", f"dp{p.data_parallel_size}"]
     if m.num_experts:
         parts.append(f"ep{p.expert_model_parallel_size}")
+        etp = expert_tensor_parallel_size(c)
+        if etp != p.tensor_model_parallel_size:
+            parts.append(f"etp{etp}")
     parts.append(f"ZeRO-{level}" if level else "no-ZeRO")
     if p.num_distributed_optimizer_instances > 1:
         parts.append(f"instances={p.num_distributed_optimizer_instances}")
