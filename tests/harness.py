@@ -9,6 +9,11 @@ the world is discarded and the next call starts a fresh one.
 
 Every worker runs with one thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)): several ranks with
 several threads each on two cores run an order of magnitude slower.
+
+Workers are forked from multiprocessing's fork server, which imports torch and the training stack once per
+session: a spawned worker would import them itself, seconds per rank (an 8-rank world took ~28 s to start and
+import the test helpers, a forked one ~2 s). The server only imports (with OMP_NUM_THREADS=1, which starts no
+thread pool), so it forks from a single thread and no process group.
 """
 
 from __future__ import annotations
@@ -18,11 +23,23 @@ import multiprocessing
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
 
 DEFAULT_TIMEOUT_S = 300
+# What the fork server imports before it forks workers: only modules this test process has already imported, so
+# a module that fails to import fails here, in the test, with its traceback, rather than in the server.
+_PRELOAD = ("torch", "torch.distributed", "megatron_lite.training", "pretrain_gpt")
+
+
+def process_context():
+    """The multiprocessing context of test workers: forked from a server that has imported torch and the
+    training stack (where this process has), instead of each worker importing them."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([name for name in _PRELOAD if name in sys.modules])
+    return context
 
 
 def _worker(rank: int, size: int, init_file: str, tasks, results) -> None:
@@ -62,7 +79,7 @@ class World:
 
     def __init__(self, size: int):
         self.size = size
-        context = multiprocessing.get_context("spawn")
+        context = process_context()
         self._dir = tempfile.TemporaryDirectory(prefix="gloo_world_")
         init_file = os.path.join(self._dir.name, "init")
         self.results = context.Queue()
