@@ -69,7 +69,7 @@ def built_and_planned(values: dict, world_size: int) -> dict:
     held["optimizer"] = sum(optimizer.memory_footprint().values())
     held["optimizer_on_host"] = sum(optimizer.host_memory_footprint().values())
     planned = stage_state_bytes(config, pstate.pp_rank, pstate.cp_rank + pstate.cp_size * pstate.dp_rank,
-                                offload_fraction_of(config))
+                                offload_fraction_of(config), tp_rank=pstate.tp_rank)
     return {"built": held, "planned": {"params": planned.params, "grads": planned.grads,
                                        "optimizer": planned.optimizer, "optimizer_on_host": planned.optimizer_on_host}}
 
