@@ -1,6 +1,7 @@
 """How close the layout planner's per-rank bytes are to what real multi-rank CPU runs allocate.
 
-For each layout (Llama-style shapes, one with multi-token prediction; 4 gloo ranks of the test harness) every
+For each layout (Llama-style shapes, one with multi-token prediction, one MoE shape for the layouts with expert
+parallelism and folding; 4 gloo ranks of the test harness) every
 rank builds the model and optimizer and runs one training step to warm up; then
   - parameters, gradients and optimizer state: the bytes the built objects hold
     (DistributedDataParallel.memory_footprint, Optimizer.memory_footprint), against
@@ -48,6 +49,9 @@ SHAPES = {
     "llama_fp32_untied_mtp2": {"model_preset": "llama-tiny", "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 192,
                                "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 512, "seq_length": 256,
                                "max_position_embeddings": 256, "mtp_num_layers": 2},
+    "mixtral_fp32_moe": {"model_preset": "mixtral-tiny", "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 192,
+                         "moe_ffn_hidden_size": 96, "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 512,
+                         "seq_length": 256, "max_position_embeddings": 256, "num_experts": 4, "moe_router_topk": 2},
 }
 RUN = {"mock_data": True, "micro_batch_size": 2, "train_iters": 3, "eval_interval": 1000, "log_interval": 1000}
 LAYOUTS = {
@@ -74,7 +78,15 @@ LAYOUTS = {
     "pp2_dp2_zero3_small_buckets": {"pipeline_model_parallel_size": 2,
                                     "data_parallel_sharding_strategy": "optim_grads_params", "ddp_bucket_size": 20000,
                                     "global_batch_size": 16},
+    # MoE shapes only (expert flags): EP, and MoE parallel folding (--expert-tensor-parallel-size)
+    "dp4_ep2": {"expert_model_parallel_size": 2, "global_batch_size": 8},
+    "tp2_sp_dp2_ep2": {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+                       "global_batch_size": 8},
+    "tp2_sp_dp2_etp1_ep2": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                            "expert_tensor_parallel_size": 1, "expert_model_parallel_size": 2, "global_batch_size": 8},
+    "tp1_dp4_etp2_ep2": {"expert_tensor_parallel_size": 2, "expert_model_parallel_size": 2, "global_batch_size": 8},
 }
+EXPERT_FLAGS = ("expert_model_parallel_size", "expert_tensor_parallel_size")
 
 
 def measure(values: dict, world_size: int) -> dict:
@@ -96,7 +108,8 @@ def measure(values: dict, world_size: int) -> dict:
                              config=config, loss_scale=optimizer.loss_scale)
 
     measured_peak, unrecorded_frees = measure_peak(forward_backward)
-    state = stage_state_bytes(config, pstate.pp_rank, pstate.cp_rank + pstate.cp_size * pstate.dp_rank)
+    state = stage_state_bytes(config, pstate.pp_rank, pstate.cp_rank + pstate.cp_size * pstate.dp_rank,
+                              tp_rank=pstate.tp_rank)
     activations = stage_activation_bytes(config, pstate.pp_rank, schedule_of(config))
     return {"pp_rank": pstate.pp_rank, "built": built,
             "planned": {"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
@@ -121,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         shape = SHAPES[shape_name]
         for layout_name in args.layouts:
             layout = LAYOUTS[layout_name]
+            if any(flag in layout for flag in EXPERT_FLAGS) and not shape.get("num_experts"):
+                continue
             ranks = run_on_ranks(4, measure, {**shape, **RUN, **layout}, 4)
             state_error = max(relative_error(r["planned"][k], r["built"][k]) for r in ranks for k in r["built"])
             worst = max(ranks, key=lambda r: relative_error(r["activation_peak"]["planned"],

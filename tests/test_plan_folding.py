@@ -4,8 +4,9 @@ The parameter, gradient and optimizer bytes it plans for every rank of folded la
 and optimizer allocate (4 gloo ranks: TP2 x PP2 with ETP1 x EP2 at DP1, TP2 x DP2 with ETP1 x EP2 and x EP1, where a
 rank's expert shard follows its stage index, TP1 x DP4 with ETP2 x EP2 and x EP1 under ZeRO-1/2/3, small buckets of
 odd sizes so that padding shows, offloaded optimizer state). Candidates of an MoE preset include the folded
-layouts, written out by hand, and they validate. The activation and communication terms that depend on the
-expert split equal figures computed by hand from their definitions. The enumeration that shares bucket cuts and
+layouts, written out by hand, and they validate. An MoE layer's planned activation bytes are what autograd saves
+(one process, routed and shared experts, fp32 and bf16); the activation and communication terms that depend on
+the expert split equal figures computed by hand from their definitions. The enumeration that shares bucket cuts and
 skips layouts whose state alone cannot fit plans exactly the layouts, with exactly the figures, that planning
 every candidate on its own gives.
 """
@@ -16,9 +17,14 @@ import json
 from collections import Counter
 
 import pytest
+import torch
 
+import pretrain_gpt
 from megatron_lite.arguments import make_config
-from megatron_lite.planning.activation_memory import layer_bytes
+from megatron_lite.model.moe import MoELayer
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.pipeline.layer_split import model_chunk_plans
+from megatron_lite.planning.activation_memory import layer_bytes, moe_mlp_bytes
 from megatron_lite.planning.layouts import candidate_flags, enumerate_plans, plan_layout
 from megatron_lite.planning.report import plan_record
 from megatron_lite.planning.state_memory import stage_state_bytes
@@ -96,21 +102,55 @@ def _config(world_size: int, **flags):
 
 
 def test_expert_activations_follow_the_expert_region_and_the_expert_split():
-    """An MoE layer's MLP saves, per token of the expert region, e h and, for k = 2 copies, e (4 x ffn / etp)
-    (SwiGLU: fc1's 2 ffn, the activation, the product). TP2 + SP: the region is the ETP group's s / 2 tokens each,
-    16 at ETP1 and 32 at ETP2; TP1 at ETP2: both ranks' 32 tokens, gathered. Attention's bytes are the same."""
+    """Per token of the expert region and each of its k = 2 copies, the routed experts save e (3 h + 4 ffn / etp + 1)
+    (input, SwiGLU's fc1 output, activation and product, output and its weighted copy, probability) and three int64
+    indices; the router's tensors are on the rank's own tokens, alike for both. TP2 + SP: the region is the ETP
+    group's s / 2 tokens each, 16 at ETP1 and 32 at ETP2; TP1 at ETP2: both ranks' 32 tokens, gathered."""
     e, h, ffn = 4, 64, 96
 
-    def mlp(region, etp):
-        return region * e * (h + 2 * 4 * ffn // etp)
+    def experts(region, etp):
+        return region * 2 * (e * (3 * h + 4 * ffn // etp + 1) + 3 * 8)
 
     pairs = [(_config(4, **SP, expert_tensor_parallel_size=1, expert_model_parallel_size=2),
-              _config(4, **SP, expert_model_parallel_size=2), mlp(16, 1) - mlp(32, 2)),
+              _config(4, **SP, expert_model_parallel_size=2), experts(16, 1) - experts(32, 2)),
              (_config(4, expert_tensor_parallel_size=2, expert_model_parallel_size=2),
-              _config(4, expert_model_parallel_size=2), mlp(64, 2) - mlp(32, 1))]
+              _config(4, expert_model_parallel_size=2), experts(64, 2) - experts(32, 1))]
     for folded, unfolded, difference in pairs:
         assert layer_bytes(folded, moe=True) - layer_bytes(unfolded, moe=True) == difference
         assert layer_bytes(folded) == layer_bytes(unfolded)  # a dense layer does not see the experts' split
+
+
+def _saved_bytes(module, x, skip) -> int:
+    """Bytes of the distinct storages autograd saves in module(x), less those in `skip` (the parameters)."""
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("shared", [{}, {"moe_shared_expert_intermediate_size": 48},
+                                    {"moe_shared_expert_intermediate_size": 48, "moe_shared_expert_gate": True}],
+                         ids=["routed", "shared", "gated_shared"])
+def test_planned_moe_bytes_per_token_are_what_autograd_saves(shared, bf16):
+    """One process: the MoE layer's saved tensors (its input, the norm's output, included) at two sequence lengths,
+    whose difference cancels what does not grow with the tokens."""
+    config = make_config({**MOE, **shared, "bf16": bf16, "num_layers": 1}, 1)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = pretrain_gpt.model_provider(config, ParallelState.single(), model_chunk_plans(config, 0)[0],
+                                        torch.device("cpu")).to(dtype)
+    layer = next(module for module in model.modules() if isinstance(module, MoELayer))
+    skip = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    measured = [_saved_bytes(layer, torch.randn(seq, 1, 64, dtype=dtype, requires_grad=True), skip)
+                for seq in (16, 32)]
+    assert (measured[1] - measured[0]) / 16 == moe_mlp_bytes(config) / config.model.seq_length
 
 
 def test_folded_collectives_and_expert_gradients_are_timed_over_their_groups():

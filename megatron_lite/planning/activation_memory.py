@@ -15,11 +15,15 @@ bf16/fp16, 4 in fp32) and tp-local widths:
                                  log-sum-exp per head
   MLP                            fc1 output e c ffn / tp (c = 2 for SwiGLU), the activation's output
                                  e ffn / tp, and SwiGLU's product e ffn / tp
-  MoE layer's MLP                e h per token of the expert region and, for k copies of each, the routed
-                                 experts' fc1 output, activation and product, ffn / etp wide (ETP:
-                                 --expert-tensor-parallel-size); the region is the ETP group's tokens (s/tp
-                                 each, gathered) where its ranks hold different ones, else the rank's s; the
-                                 shared expert's tensors are not counted
+  MoE layer's MLP                the router's fp32 input, logits and scores (4 E) and top-k probabilities
+                                 and indices on the rank's own tokens; for k copies of each token of the
+                                 expert region, the routed experts' input e h, fc1 output, activation and
+                                 product (ffn / etp wide; ETP: --expert-tensor-parallel-size), their output
+                                 and its probability-weighted copy e 2h, the probability and three int64
+                                 indices; the region is the ETP group's tokens (s/tp each, gathered) where its
+                                 ranks hold different ones, else the rank's s; a shared expert's input (a
+                                 tensor of its own under sequence parallelism or bf16/fp16), fc1 output,
+                                 activation and product on s tokens, ffn / tp wide, and its gate's output
 
 Norms see s/tp tokens under sequence parallelism; everything else s (the local s/cp with context parallelism).
 Each chunk keeps its RoPE cos and sin tables. The last stage adds the final norm, the output layer's input e
@@ -140,12 +144,26 @@ def layer_bytes(config: Config, moe: bool = False) -> int:
         per_token += e * (nh + ng) * d if m.position_embedding_type == "rope" else e * nh * d
         per_token += e * nh * d + lse
     widths = 4 if m.swiglu else 2  # fc1 output (2 ffn wide with SwiGLU), the activation's output, the product
-    if moe:
-        ffn = m.moe_router_topk * (m.moe_ffn_hidden_size // expert_tensor_parallel_size(config))
-        mlp = expert_region_tokens(config) * e * (h + ffn * widths)
-    else:
-        mlp = tokens * e * (h + m.ffn_hidden_size // tp * widths)
+    mlp = moe_mlp_bytes(config) if moe else tokens * e * (h + m.ffn_hidden_size // tp * widths)
     return tokens * per_token + mlp + stream * 2 * _norm_bytes(config, e)
+
+
+def moe_mlp_bytes(config: Config) -> int:
+    """Bytes one micro-batch saves in an MoE layer's MLP (module docstring), for softmax routing with a balancing
+    loss (other router settings save other [tokens, E] fp32 tensors)."""
+    m, p = config.model, config.parallel
+    e, h, k = param_bytes(config), m.hidden_size, m.moe_router_topk
+    tokens, stream = _tokens(config)
+    widths = 4 if m.swiglu else 2
+    router = FP32 * (h + 2 * m.num_experts + 1) + k * (FP32 + INDEX)  # this rank's tokens (s/tp under SP)
+    experts = e * (3 * h + widths * (m.moe_ffn_hidden_size // expert_tensor_parallel_size(config)) + 1) + 3 * INDEX
+    total = stream * router + expert_region_tokens(config) * k * experts
+    shared = m.moe_shared_expert_intermediate_size
+    if shared:  # on every local token: its input (the router's fp32 one without SP, in fp32), fc1 and activation
+        own_input = p.sequence_parallel or e != FP32
+        gate = e * (h + 1) if m.moe_shared_expert_gate else 0  # its output and the gate's sigmoid
+        total += tokens * (e * (h * own_input + widths * (shared // p.tensor_model_parallel_size)) + gate)
+    return total
 
 
 def _recomputed_layers(config: Config, chunk_num_layers: int) -> list[bool]:
