@@ -128,9 +128,8 @@ def expert_region_tokens(config: Config) -> int:
 
 
 def layer_bytes(config: Config, moe: bool = False) -> int:
-    """Bytes one micro-batch saves in one transformer layer (an MoE layer with `moe`) without recomputation. An
-    MoE layer's MLP terms are the expert region's tokens (the experts' input) and k copies of them through the
-    expert FFN, ffn / etp wide."""
+    """Bytes one micro-batch saves in one transformer layer (an MoE layer with `moe`, its MLP's as
+    moe_mlp_bytes) without recomputation."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     e = param_bytes(config)
     tokens, stream = _tokens(config)
