@@ -1,6 +1,7 @@
-"""Session-wide test settings: one thread per process, no launcher's variables, and the shared gloo worlds
-closed at the end."""
+"""Session-wide test settings: one thread per process, no launcher's variables, the imported modules frozen
+for the garbage collector, and the shared gloo worlds closed at the end."""
 
+import gc
 import os
 
 # Tests run the entry point inside this process; a suite started under srun or torchrun must not hand it the
@@ -18,6 +19,14 @@ import torch  # noqa: E402
 from tests.harness import close_all_worlds  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection imported (torch, the package, every test module: ~365k objects), which lives as
+    long as the session: every in-process training run collects garbage twice (lifecycle.shutdown), and each
+    collection that traversed them took 0.2 s. Objects made by the tests themselves are collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)
