@@ -3,9 +3,9 @@
 
 import contextlib
 import datetime
-import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +16,7 @@ import torch
 
 from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
+from tests.harness import process_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,10 +26,17 @@ TINY = ["--model-preset", "llama-tiny", "--mock-data", "--num-layers", "1", "--h
         "--micro-batch-size", "2", "--global-batch-size", "4"]
 
 
-def _torchrun(argv: list[str], **kwargs) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "pretrain_gpt.py", *argv]
+def _torchrun(argv: list[str], torchrun_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *torchrun_args,
+               "pretrain_gpt.py", *argv]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -38,12 +46,16 @@ def _error_lines(stderr: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ten_finished_two_rank_runs_all_exit_zero():
+    """Ten whole torchrun worlds start, train and end; two at a time, each on its own port, so that one run's
+    imports overlap the other's start-up and teardown."""
     failures = []
-    for attempt in range(10):
-        process = _torchrun(TINY + ["--train-iters", "2"])
-        _, stderr = process.communicate(timeout=300)
-        if process.returncode != 0:
-            failures.append((attempt, process.returncode, stderr[-600:]))
+    for pair in range(5):
+        processes = [_torchrun(TINY + ["--train-iters", "2"], torchrun_args=("--master-port", str(_free_port())))
+                     for _ in range(2)]
+        for attempt, process in enumerate(processes, start=2 * pair):
+            _, stderr = process.communicate(timeout=300)
+            if process.returncode != 0:
+                failures.append((attempt, process.returncode, stderr[-600:]))
     assert not failures, failures
 
 
@@ -118,7 +130,7 @@ def _startup_rank(rank: int, init_file: str, results) -> None:
 
 
 def test_the_startup_barrier_names_the_ranks_that_never_arrive():
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     results = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         processes = [context.Process(target=_startup_rank, args=(rank, os.path.join(tmp, "init"), results))
@@ -126,6 +138,7 @@ def test_the_startup_barrier_names_the_ranks_that_never_arrive():
         for process in processes:
             process.start()
         message = results.get(timeout=60)
+        processes[1].kill()  # stuck by design: its sleep need not be waited out once rank 0 has reported
         for process in processes:
             process.join(timeout=30)
     assert message.startswith("rank(s) 1 did not finish starting up within"), message
