@@ -5,7 +5,8 @@ is started once per test session and reused: `run_on_ranks(n, fn, *args)` runs `
 rank of the n-rank world and returns the per-rank results in rank order. `fn` must be a module-level
 function (it is sent by reference) and its result picklable. A rank's exception is re-raised here with
 its traceback; a run that exceeds its timeout kills the world and fails instead of hanging. Either way
-the world is discarded and the next call starts a fresh one.
+the world is discarded and the next call starts a fresh one. A worker whose test process has been killed
+exits within seconds (it would otherwise wait on its task queue, which it holds open itself, forever).
 
 Every worker runs with one thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)): several ranks with
 several threads each on two cores run an order of magnitude slower.
@@ -53,8 +54,14 @@ def _worker(rank: int, size: int, init_file: str, tasks, results) -> None:
     torch.set_num_threads(1)
     gc.freeze()  # the modules imported so far live as long as the worker: collections need not traverse them
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    test_process = multiprocessing.parent_process()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if test_process.is_alive():
+                continue
+            return  # the test process was killed: no task, nor the shutdown, will come
         if task is None:
             break
         _destroy_subgroups(dist)
