@@ -1,11 +1,12 @@
 """Re-running a suspicious iteration to tell a fault of the machine from a property of the data (Megatron's
 --rerun-mode, --check-for-spiky-loss, --check-for-large-grads, --result-rejected-tracker-filename).
 
-An iteration's result is suspicious when its loss or gradient norm is unexpectedly large (Megatron's
-`is_unexpectedly_large`: at least 10 times the largest of the first 100 values seen), or, with
---check-for-nan-in-loss-and-grad, not finite. Under --rerun-mode validate_results the iteration is then run
-again before its step is applied, on the same micro-batches (replayed), from the same random generator
-states and the same MoE statistics:
+An iteration's result is suspicious when one of its losses or its gradient norm is unexpectedly large
+(Megatron's `is_unexpectedly_large`: at least 10 times the largest of the first 100 values seen), or, with
+--check-for-nan-in-loss-and-grad, not finite. The losses judged are every one that enters the backward: the LM
+loss, each multi-token prediction depth's, and the MoE auxiliary and z-losses. Under --rerun-mode
+validate_results the iteration is then run again before its step is applied, on the same micro-batches
+(replayed), from the same random generator states and the same MoE statistics:
 
 - the same result again (to the bit, Megatron's tolerance 0) comes from the data or the model: it is
   recorded in the tracker file and training continues with it (a non-finite one still stops the run, as
@@ -16,7 +17,7 @@ states and the same MoE statistics:
   restarts from its last checkpoint. With --overlap-grad-reduce or ZeRO-2/3 the gradients are reduced during
   backward, so a gradient fault shows on every rank of its data-parallel group and only the group is named.
 
-The loss and gradient norm judged are the global ones, equal on every rank, so every rank decides alike
+The losses and gradient norm judged are the global ones, equal on every rank, so every rank decides alike
 without a collective; the fingerprints that name the faulty ranks are gathered only when a rerun differs.
 `--rerun-mode disabled` only records (and warns of) suspicious results; `report_stats` runs every iteration
 twice and reports the largest relative difference between the two runs at each log interval (a measure of
@@ -29,7 +30,7 @@ import datetime
 import math
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,9 +82,17 @@ class Result:
     lm_loss: float
     grad_norm: float
     fingerprint: torch.Tensor  # [2]: this rank's loss sum and gradient sum of squares, before reduction
+    other_losses: dict[str, float] = field(default_factory=dict)  # "mtp 1 loss", "moe aux loss", ...
+
+    @property
+    def losses(self) -> dict[str, float]:
+        """Every loss that entered the backward, by name."""
+        return {"lm loss": self.lm_loss, **self.other_losses}
 
     def same_as(self, other: Result) -> bool:
-        return _same(self.lm_loss, other.lm_loss) and _same(self.grad_norm, other.grad_norm)
+        mine, theirs = self.losses, other.losses
+        return (mine.keys() == theirs.keys() and all(_same(mine[name], theirs[name]) for name in mine)
+                and _same(self.grad_norm, other.grad_norm))
 
 
 def _same(a: float, b: float) -> bool:
@@ -102,7 +111,7 @@ class RerunStateMachine:
     def __init__(self, config: Config, rank: int, group=None, mode: str | None = None):
         t = config.training
         self.mode = mode or t.rerun_mode
-        self.checks = {"lm loss": t.check_for_spiky_loss, "grad norm": t.check_for_large_grads}
+        self.check_spiky_loss, self.check_large_grads = t.check_for_spiky_loss, t.check_for_large_grads
         self.check_non_finite = config.optimizer.check_for_nan_in_loss_and_grad
         self.fp16 = config.optimizer.fp16  # a non-finite gradient norm is then an overflow the loss scaler skips
         self.tracker = t.result_rejected_tracker_filename
@@ -176,14 +185,15 @@ class RerunStateMachine:
 
     def _suspicion(self, result: Result) -> str | None:
         """Why `result` needs a second look, or None."""
-        values = {"lm loss": result.lm_loss, "grad norm": result.grad_norm}
         if self.check_non_finite:
             for context, value in self._judged_finite(result):
                 if not math.isfinite(value):
                     return f"{context} is {value}"
+        checked = ({**result.losses} if self.check_spiky_loss else {}) | (
+            {"grad norm": result.grad_norm} if self.check_large_grads else {})
         found = None
-        for context, value in values.items():
-            if self.checks[context] and self._unexpectedly_large(context, value) and found is None:
+        for context, value in checked.items():  # every value updates its statistics
+            if self._unexpectedly_large(context, value) and found is None:
                 found = (f"{context} {value:.6g} is at least {SPIKE_FACTOR:g} x the largest of the first "
                          f"{STATISTICS_SAMPLES} ({self.largest[context]:.6g})")
         return found
@@ -202,7 +212,7 @@ class RerunStateMachine:
 
     def _judged_finite(self, result: Result) -> list[tuple[str, float]]:
         """The values --check-for-nan-in-loss-and-grad requires finite."""
-        return [("lm loss", result.lm_loss)] + ([] if self.fp16 else [("grad norm", result.grad_norm)])
+        return list(result.losses.items()) + ([] if self.fp16 else [("grad norm", result.grad_norm)])
 
     def _raise_if_non_finite(self, iteration: int, result: Result) -> None:
         if not self.check_non_finite:

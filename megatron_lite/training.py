@@ -21,7 +21,7 @@ from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.logging import TrainingLogger
-from megatron_lite.model.moe import moe_metrics, update_expert_biases
+from megatron_lite.model.moe import moe_metrics, moe_step_losses, update_expert_biases
 from megatron_lite.model.mtp import mtp_loss_totals, mtp_metrics
 from megatron_lite.model.sharding import initialization_skipped
 from megatron_lite.optim.data_parallel import DistributedDataParallel
@@ -282,9 +282,10 @@ def reduce_mtp_losses(model, config: Config, pstate: ParallelState, device) -> l
 def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,
                pstate: ParallelState, iteration: int, device, timers: PhaseTimers | None = None,
                consumed_samples: int | None = None, rerun: RerunStateMachine | None = None) -> dict:
-    """Forward and backward over one global batch, then one optimizer step. `rerun` judges the loss and
-    gradient norm before the step is applied and may run the iteration again (rerun_state_machine.py; without
-    it, only --check-for-nan-in-loss-and-grad applies: a non-finite loss or gradient norm stops the run).
+    """Forward and backward over one global batch, then one optimizer step. `rerun` judges the losses (LM, MTP
+    depths, MoE auxiliary and z-losses) and gradient norm before the step is applied and may run the iteration
+    again (rerun_state_machine.py; without it, only --check-for-nan-in-loss-and-grad applies: a non-finite loss
+    or gradient norm stops the run).
     Every rank judges the same reduced values, so every rank decides alike. `timers` collects the time of
     each phase. The samples consumed before the step (default: `iteration` batches of --global-batch-size,
     right without --rampup-batch-size) decide its global batch size, learning rate and weight decay."""
@@ -305,11 +306,15 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
         with timers.phase("grad_reduce"):
             finalize_model_grads(model, pstate, tokens)
         mtp_losses = reduce_mtp_losses(model, config, pstate, device)
+        moe_losses = moe_step_losses(model, pstate, config)
         with timers.phase("optimizer"):
             grad_norm = optimizer.prepare_grads()
-            lm_loss, grad_norm, *mtp_losses = torch.stack(  # one sync
-                [reduce_loss(reports, pstate, device), grad_norm, *mtp_losses]).tolist()
-        if not rerun.should_rerun(Result(lm_loss, grad_norm, fingerprint), iteration, model, device, data_iterator):
+            lm_loss, grad_norm, *other_losses = torch.stack(  # one sync
+                [reduce_loss(reports, pstate, device), grad_norm, *mtp_losses, *moe_losses.values()]).tolist()
+        mtp_losses = other_losses[:len(mtp_losses)]
+        judged = dict(zip([f"mtp {k} loss" for k in range(1, len(mtp_losses) + 1)] + list(moe_losses), other_losses))
+        if not rerun.should_rerun(Result(lm_loss, grad_norm, fingerprint, judged), iteration, model, device,
+                                  data_iterator):
             break
     with timers.phase("optimizer"):
         lr = learning_rate(config, consumed_samples)

@@ -85,6 +85,8 @@ class MoELayer(torch.nn.Module):
         self.statistics: torch.Tensor | None = None
         # Tokens per expert routed by this rank since the last update_expert_biases (with an expert bias).
         self.load_since_bias_update: torch.Tensor | None = None
+        # Since the last moe_step_losses: the first three columns of `statistics`, for the step's NaN check.
+        self.step_losses: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, h] -> [s, b, h] (each [s/tp, b, h] with sequence parallelism)."""
@@ -128,6 +130,8 @@ class MoELayer(torch.nn.Module):
 
     def _record_statistics(self, record: torch.Tensor) -> None:
         self.statistics = record if self.statistics is None else self.statistics + record
+        head = record[:_DROPPED]
+        self.step_losses = head if self.step_losses is None else self.step_losses + head
         if self.router.expert_bias is not None:
             load = record[_TOKENS_PER_EXPERT:]
             self.load_since_bias_update = load if self.load_since_bias_update is None else \
@@ -247,19 +251,52 @@ def moe_metrics(model_chunks, pstate: ParallelState, config: Config) -> dict:
             table[layer.layer_number] = layer.statistics
         layer.statistics = None
     mappings.all_reduce(table, pstate.group("world"))
-    # Every micro-batch is seen by its tp x cp ranks; the router's shares and counts, and the capacity
-    # decisions, are whole on every TP rank without sequence parallelism.
-    tp, cp = pstate.tp_size, pstate.cp_size
-    router_copies = 1 if config.parallel.sequence_parallel else tp
+    router_copies = _router_copies(pstate, config)
+    losses = _losses_per_microbatch(table[numbers], pstate, config).tolist()
     metrics = {}
-    for number in numbers:
+    for number, (aux_loss, z_loss) in zip(numbers, losses):
         row = table[number]
-        microbatches = max(float(row[_MICROBATCHES]) / (tp * cp), 1.0)
-        metrics[f"moe_aux_loss_layer_{number}"] = float(row[_AUX_LOSS]) / router_copies / microbatches
-        metrics[f"moe_z_loss_layer_{number}"] = float(row[_Z_LOSS]) / router_copies / microbatches
+        metrics[f"moe_aux_loss_layer_{number}"] = aux_loss
+        metrics[f"moe_z_loss_layer_{number}"] = z_loss
         metrics[f"moe_dropped_tokens_layer_{number}"] = round(float(row[_DROPPED]) / router_copies)
         metrics[f"moe_tokens_per_expert_layer_{number}"] = [
             round(v) for v in (row[_TOKENS_PER_EXPERT:] / router_copies).tolist()]
     metrics["moe_aux_loss"] = sum(metrics[f"moe_aux_loss_layer_{n}"] for n in numbers) / len(numbers)
     metrics["moe_z_loss"] = sum(metrics[f"moe_z_loss_layer_{n}"] for n in numbers) / len(numbers)
     return metrics
+
+
+def _router_copies(pstate: ParallelState, config: Config) -> int:
+    """Ranks whose router sees the same tokens: the router's shares and counts, and the capacity decisions, are
+    whole on every TP rank without sequence parallelism."""
+    return 1 if config.parallel.sequence_parallel else pstate.tp_size
+
+
+def _losses_per_microbatch(rows: torch.Tensor, pstate: ParallelState, config: Config) -> torch.Tensor:
+    """[layers, 2]: each layer's aux loss and z-loss (coefficients applied) per micro-batch, from its rows of
+    statistics summed over the world [layers, >= 3]; every micro-batch is seen by its tp x cp ranks."""
+    microbatches = (rows[:, _MICROBATCHES] / (pstate.tp_size * pstate.cp_size)).clamp(min=1.0)
+    return rows[:, _AUX_LOSS:_DROPPED] / _router_copies(pstate, config) / microbatches[:, None]
+
+
+@torch.no_grad()
+def moe_step_losses(model_chunks, pstate: ParallelState, config: Config) -> dict[str, torch.Tensor]:
+    """The auxiliary losses of the step just run that entered its backward, as moe_metrics reports them
+    (averaged over the MoE layers): 0-dim tensors, equal on every rank, for the NaN and spike checks; resets.
+    A collective over the world where such a loss exists (every rank calls it every step); {} otherwise."""
+    m = config.model
+    numbers = moe_layer_numbers(m)
+    judged = [name for name, enters in (("moe aux loss", m.moe_aux_loss_coeff > 0 and
+                                         m.moe_router_load_balancing_type != "none"),
+                                        ("moe z loss", m.moe_z_loss_coeff > 0)) if enters]
+    if not numbers or not judged:
+        return {}
+    device = next(model_chunks[0].parameters()).device
+    table = torch.zeros(_numbered_layers(m), _DROPPED, dtype=torch.float64, device=device)
+    for layer in moe_layers(model_chunks):
+        if layer.step_losses is not None:
+            table[layer.layer_number] = layer.step_losses
+        layer.step_losses = None
+    mappings.all_reduce(table, pstate.group("world"))
+    aux_loss, z_loss = _losses_per_microbatch(table[numbers], pstate, config).mean(dim=0)
+    return {name: loss for name, loss in (("moe aux loss", aux_loss), ("moe z loss", z_loss)) if name in judged}
