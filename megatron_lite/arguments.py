@@ -13,7 +13,6 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import os
 import textwrap
 
 import yaml
@@ -21,6 +20,7 @@ import yaml
 from megatron_lite.config import Config
 from megatron_lite.data.samplers import iterations_in_samples
 from megatron_lite.files import read_text
+from megatron_lite.flag_dependencies import given_flags
 from megatron_lite.presets import MODEL_PRESETS
 from megatron_lite.validation import ConfigError, validate
 
@@ -166,7 +166,7 @@ def make_config(values: dict, world_size: int = 1) -> Config:
             raise ConfigError(f"unknown configuration key '{name}'; see pretrain_gpt.py --help")
         setattr(getattr(config, owner[name]), name, value)
     _fill_defaults(config, world_size)
-    validate(config, world_size)
+    validate(config, world_size, given_flags(merged))
     _fill_train_iters(config)
     return config
 
@@ -251,10 +251,6 @@ def _fill_defaults(config: Config, world_size: int) -> None:
     if not m.group_query_attention or m.num_query_groups is None:
         m.num_query_groups = m.num_attention_heads
     m.max_position_embeddings = _default_if_unset(m.max_position_embeddings, m.seq_length)
-    if p.sequence_parallel and p.tensor_model_parallel_size == 1:  # Megatron's rule: same numbers either way
-        if int(os.environ.get("RANK", "0")) == 0:
-            print("warning: disabling --sequence-parallel because tensor-model-parallel-size is 1", flush=True)
-        p.sequence_parallel = False
     model_parallel = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
     p.data_parallel_size = max(world_size // model_parallel, 1) if model_parallel > 0 else 1
     if p.use_distributed_optimizer and p.data_parallel_sharding_strategy == "no_shard":

@@ -10,8 +10,6 @@ all ranks pick the same token. The whole model must sit in one pipeline stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from megatron_lite.config import ParallelConfig
@@ -20,6 +18,7 @@ from megatron_lite.hf.checkpoint import config_from_metadata, load_into_model, r
 from megatron_lite.model.gpt import GPTModel, gather_vocab_logits
 from megatron_lite.model.moe import moe_mlp_factory
 from megatron_lite.parallel.state import ParallelState
+from megatron_lite.sampling_params import SamplingParams
 
 
 class LayerKVCache:
@@ -57,28 +56,6 @@ class InferenceParams:
         if layer_number not in self.key_value_memory_dict:
             self.key_value_memory_dict[layer_number] = LayerKVCache(self)
         return self.key_value_memory_dict[layer_number]
-
-
-@dataclass
-class SamplingParams:
-    """`greedy` takes the most likely token. Otherwise sample from softmax(logits / temperature), keeping
-    only the `top_k` most likely tokens (0: all) and the smallest set whose probability reaches `top_p`
-    (1.0: all)."""
-
-    greedy: bool = True
-    top_k: int = 0
-    top_p: float = 1.0
-    temperature: float = 1.0
-
-    def problems(self) -> list[str]:
-        problems = []
-        if self.top_k < 0:
-            problems.append(f"top-k ({self.top_k}) must be 0 (off) or positive")
-        if not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top-p ({self.top_p}) must be in (0, 1]")
-        if not self.temperature > 0.0:
-            problems.append(f"temperature ({self.temperature}) must be positive")
-        return problems
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

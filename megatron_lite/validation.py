@@ -12,6 +12,8 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_lite.errors import UserError
+from megatron_lite.flag_dependencies import dependency_problems
+from megatron_lite.model.fp8_validation import fp8_problems
 from megatron_lite.model.layer_pattern import moe_layer_pattern
 from megatron_lite.model.mla_validation import mla_problems
 from megatron_lite.model.moe_validation import expert_layout_problems
@@ -21,6 +23,8 @@ from megatron_lite.optim.schedule_validation import schedule_problems
 from megatron_lite.pipeline.layer_split import pipeline_stage_layers
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from megatron_lite.config import Config
 
 
@@ -28,13 +32,15 @@ class ConfigError(UserError, ValueError):
     """A configuration problem; the message is one line per problem, each saying what to change."""
 
 
-def validate(config: Config, world_size: int) -> None:
-    """Check everything that can be checked before a process group exists; raise one ConfigError."""
-    problems = _value_problems(config) + muon_problems(config) + mla_problems(config)
+def validate(config: Config, world_size: int, given: Iterable[str] = ()) -> None:
+    """Check everything that can be checked before a process group exists; raise one ConfigError. `given` names
+    the flags the command line, YAML file or preset set, for the table of what each flag needs."""
+    problems = dependency_problems(config, given) + _value_problems(config) + muon_problems(config)
+    problems += mla_problems(config)
     if not problems:  # the checks below divide by sizes that must first be known to be positive
         problems = (_layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
                     + schedule_problems(config) + _profile_problems(config, world_size)
-                    + _fp8_problems(config) + mtp_problems(config))
+                    + fp8_problems(config) + mtp_problems(config))
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -69,16 +75,8 @@ _FRACTIONS = {"hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2",
 
 
 def _router_problems(m) -> list[str]:
-    """The MoE router's options that do not go together."""
+    """The MoE router's group-limited routing: sizes that fit the experts and the top k."""
     problems = []
-    sigmoid = m.moe_router_score_function == "sigmoid"
-    if sigmoid and m.moe_router_pre_softmax:
-        problems.append("--moe-router-pre-softmax applies to --moe-router-score-function softmax only; drop it "
-                        "with sigmoid")
-    if m.moe_router_enable_expert_bias and not sigmoid:
-        problems.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
-    if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
-        problems.append("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
     groups, group_topk, topk = m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk
     if (groups is None) != (group_topk is None):
         problems.append("--moe-router-num-groups and --moe-router-group-topk go together; give both or neither")
@@ -148,19 +146,10 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
         problems.append(f"attention-dropout ({m.attention_dropout}) must be 0 with context-parallel-size > 1 "
                         f"(ring attention has no dropout); pass --attention-dropout 0")
     instances = p.num_distributed_optimizer_instances
-    if instances > 1 and p.data_parallel_sharding_strategy == "no_shard":
-        problems.append(f"--num-distributed-optimizer-instances {instances} needs --use-distributed-optimizer (or a "
-                        f"--data-parallel-sharding-strategy other than no_shard)")
-    elif (dp * cp) % instances:
+    if (dp * cp) % instances:
         problems.append(f"num-distributed-optimizer-instances ({instances}) must divide data-parallel x "
                         f"context-parallel size ({dp} x {cp} = {dp * cp})")
     problems += expert_layout_problems(config)
-    if p.num_layers_per_virtual_pipeline_stage is not None and pp == 1:
-        problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline-model-parallel-size > 1")
-    if p.num_virtual_stages_per_pipeline_rank is not None and pp == 1:
-        problems.append("--num-virtual-stages-per-pipeline-rank needs pipeline-model-parallel-size > 1")
-    if p.pipeline_schedule != "1f1b" and pp == 1:
-        problems.append(f"--pipeline-schedule {p.pipeline_schedule} needs pipeline-model-parallel-size > 1")
     if p.pipeline_schedule == "zb-h1" and p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
         problems.append(f"--pipeline-schedule zb-h1 cannot be combined with --data-parallel-sharding-strategy "
                         f"{p.data_parallel_sharding_strategy}: ZeRO-2/3 reduce gradients after every autograd call "
@@ -180,8 +169,6 @@ def _pipeline_split_problems(config: Config) -> list[str]:
     pp = p.pipeline_model_parallel_size
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     if pp == 1:
-        if first is not None or last is not None:
-            return ["--decoder-first/last-pipeline-num-layers need pipeline-model-parallel-size > 1"]
         return []
     middle_stages = pp - (first is not None) - (last is not None)
     remaining = m.num_layers - (first or 0) - (last or 0)
@@ -192,8 +179,6 @@ def _pipeline_split_problems(config: Config) -> list[str]:
         return [f"num-layers ({m.num_layers}) cannot be split evenly over {pp} pipeline stages; set "
                 f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"]
     vp_layers, vp_stages = p.num_layers_per_virtual_pipeline_stage, p.num_virtual_stages_per_pipeline_rank
-    if vp_layers is not None and vp_stages is not None:
-        return ["set one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"]
     if vp_layers is not None:
         if first is not None or last is not None:
             return ["--num-layers-per-virtual-pipeline-stage cannot be combined with an uneven split; use "
@@ -224,8 +209,6 @@ def _context_parallel_problems(config: Config) -> list[str]:
     cp, heads = p.context_parallel_size, m.num_attention_heads // p.tensor_model_parallel_size
     sizes = p.hierarchical_context_parallel_sizes
     if p.cp_comm_type != "a2a+p2p":
-        if sizes is not None:
-            return [f"--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p, not {p.cp_comm_type}"]
         if p.cp_comm_type != "a2a" or heads % cp == 0:
             return []
         return [f"num-attention-heads per tensor-parallel rank ({heads}) must be divisible by context-parallel-size "
@@ -264,42 +247,19 @@ def _model_problems(config: Config) -> list[str]:
         if not m.disable_bias_linear:
             problems.append("MoE experts have no biases: pass --disable-bias-linear with --num-experts")
         problems += _router_problems(m)
-    elif m.moe_shared_expert_intermediate_size or m.moe_router_enable_expert_bias or m.moe_router_num_groups:
-        problems.append("--moe-shared-expert-intermediate-size, --moe-router-enable-expert-bias and "
-                        "--moe-router-num-groups need --num-experts")
-    if m.recompute_num_layers is not None and m.recompute_granularity != "full":
-        problems.append("--recompute-num-layers needs --recompute-granularity full")
-    if m.recompute_method is not None and m.recompute_granularity != "full":
-        problems.append("--recompute-method needs --recompute-granularity full")
     if m.recompute_method is not None and m.recompute_num_layers is None:
         problems.append(f"--recompute-method {m.recompute_method} needs --recompute-num-layers")
     return problems
 
 
 def _rope_scaling_problems(m) -> list[str]:
-    """--use-rope-scaling rescales rotary frequencies: it needs RoPE, and a band between its two wavelengths."""
+    """--use-rope-scaling rescales rotary frequencies in a band between its two wavelengths."""
     if not m.use_rope_scaling:
         return []
-    if m.position_embedding_type != "rope":
-        return [f"--use-rope-scaling needs --position-embedding-type rope, not {m.position_embedding_type}"]
     if m.rope_scaling_high_freq_factor <= m.rope_scaling_low_freq_factor:
         return [f"rope-scaling-high-freq-factor ({m.rope_scaling_high_freq_factor}) must exceed "
                 f"rope-scaling-low-freq-factor ({m.rope_scaling_low_freq_factor})"]
     return []
-
-
-def _checkpoint_problems(config: Config) -> list[str]:
-    c = config.checkpoint
-    problems = []
-    if c.save_interval is not None and not c.save:
-        problems.append("--save-interval needs --save DIR")
-    if c.async_save and not c.save:
-        problems.append("--async-save needs --save DIR")
-    if (c.finetune or c.no_load_optim or c.no_load_rng) and not c.load:
-        problems.append("--finetune / --no-load-optim / --no-load-rng need --load DIR")
-    if c.ckpt_step is not None and not c.load:
-        problems.append("--ckpt-step needs --load DIR (the checkpoint directory to take that iteration from)")
-    return problems
 
 
 def _run_problems(config: Config) -> list[str]:
@@ -319,11 +279,8 @@ def _run_problems(config: Config) -> list[str]:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size (the number of token ids in the data)")
     if not d.mock_data and d.tokenizer_type != "NullTokenizer" and not d.tokenizer_model:
         problems.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model PATH")
-    if o.bf16 and o.fp16:
-        problems.append("choose one of --bf16 and --fp16")
     if o.min_lr > o.lr:
         problems.append(f"min-lr ({o.min_lr}) must not exceed lr ({o.lr})")
-    problems += _checkpoint_problems(config)
     problems += _optimizer_problems(config)
     problems += _document_problems(config)
     return problems
@@ -337,15 +294,13 @@ def _data_source_problems(config: Config) -> list[str]:
     blend = [flag for flag, value in (("--data-path", d.data_path), ("--data-args-path", d.data_args_path))
              if value]
     per_split = [f"--{name}-data-path" for name in ("train", "valid", "test") if getattr(d, f"{name}_data_path")]
-    if d.mock_data:  # mock data replaces any corpus, as in Megatron
+    if d.mock_data:
         return []
     if len(blend) > 1:
         return ["give --data-path or --data-args-path (a file of the same words), not both"]
     if blend and per_split:
         return [f"{blend[0]} (cut by --split) and {', '.join(per_split)} (a corpus per split) exclude each other; "
                 f"use one or the other"]
-    if per_split and not d.train_data_path:
-        return [f"{', '.join(per_split)} given without --train-data-path: name the train corpus too"]
     if not blend and not per_split:
         return ["no training data: pass --data-path PREFIX (see tools/preprocess_data.py), --data-args-path FILE, "
                 "--train-data-path PREFIX or --mock-data"]
@@ -384,18 +339,10 @@ def _document_problems(config: Config) -> list[str]:
 
 
 def _optimizer_problems(config: Config) -> list[str]:
-    o, p = config.optimizer, config.parallel
-    problems = []
-    if o.loss_scale is not None and not o.fp16:
-        problems.append("--loss-scale only applies with --fp16 (bf16 and fp32 need no loss scaling)")
-    if p.overlap_param_gather and p.data_parallel_sharding_strategy == "no_shard":
-        problems.append("--overlap-param-gather needs --use-distributed-optimizer (or a "
-                        "--data-parallel-sharding-strategy other than no_shard)")
+    o = config.optimizer
     if not 0 <= o.optimizer_offload_fraction <= 1:
-        problems.append(f"--optimizer-offload-fraction ({o.optimizer_offload_fraction}) must be between 0 and 1")
-    elif o.optimizer_offload_fraction != 1 and not o.optimizer_cpu_offload:
-        problems.append(f"--optimizer-offload-fraction {o.optimizer_offload_fraction} needs --optimizer-cpu-offload")
-    return problems
+        return [f"--optimizer-offload-fraction ({o.optimizer_offload_fraction}) must be between 0 and 1"]
+    return []
 
 
 def _profile_problems(config: Config, world_size: int) -> list[str]:
@@ -409,27 +356,4 @@ def _profile_problems(config: Config, world_size: int) -> list[str]:
     outside = [rank for rank in log.profile_ranks if not 0 <= rank < world_size]
     if outside:
         problems.append(f"profile-ranks {outside} are not ranks of this run (world size {world_size})")
-    return problems
-
-
-def _fp8_problems(config: Config) -> list[str]:
-    """FP8 (model/fp8.py): a recipe that is built, a precision it composes with, bf16 layer counts that fit."""
-    m = config.model
-    if m.fp8_format is None:
-        return ["--first-last-layers-bf16 needs --fp8-format e4m3 or hybrid"] if m.first_last_layers_bf16 else []
-    from megatron_lite.model.fp8 import BUILT_RECIPES  # the model's module (torch): only when FP8 is asked for
-    problems = []
-    if m.fp8_recipe not in BUILT_RECIPES:
-        problems.append(f"--fp8-recipe {m.fp8_recipe} is not built; use {' or '.join(BUILT_RECIPES)}")
-    if config.optimizer.fp16:
-        problems.append("--fp8-format does not go with --fp16 (fp16 activations and loss scaling around FP8 GEMMs "
-                        "are not built); use --bf16")
-    if m.fp8_margin < 0:
-        problems.append(f"--fp8-margin ({m.fp8_margin}) must be 0 or more")
-    if m.first_last_layers_bf16:
-        for flag in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
-            value = getattr(m, flag)
-            if not 0 <= value <= m.num_layers:
-                problems.append(f"--{flag.replace('_', '-')} ({value}) must be between 0 and num-layers "
-                                f"({m.num_layers})")
     return problems

@@ -99,7 +99,7 @@ def test_no_load_optim_and_finetune(tmp_path):
     # --finetune: the weights only; iteration, data position and optimizer start from zero.
     finetuned = train({**TINY, "load": root, "finetune": True, "train_iters": 2})
     assert len(finetuned) == 2 and finetuned[0] < straight[0] - 0.01
-    with pytest.raises(ConfigError, match="need --load DIR"):
+    with pytest.raises(ConfigError, match="--finetune acts only with --load"):
         make_config({**TINY, "finetune": True})
 
 

@@ -274,7 +274,7 @@ def test_ring_attention_on_cpu_equals_causal_sdpa_without_score_tensors():
       "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "1"],
      "num-attention-heads per tensor-parallel rank (6) must be divisible by the a2a size A (4)"),
     (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"],
-     "--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p, not p2p"),
+     "--hierarchical-context-parallel-sizes acts only with --cp-comm-type a2a+p2p"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"],
      "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B"),
 ])

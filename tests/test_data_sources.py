@@ -87,7 +87,7 @@ def test_file_reads_match_the_map_for_every_sequence_and_the_token_range(tmp_pat
 @pytest.mark.parametrize("flags, message", [
     (["--data-path", "a", "--train-data-path", "b"], "--data-path .* and --train-data-path .* exclude each other"),
     (["--data-path", "a", "--data-args-path", "f"], "give --data-path or --data-args-path .* not both"),
-    (["--valid-data-path", "b"], "--valid-data-path given without --train-data-path"),
+    (["--valid-data-path", "b"], "--valid-data-path acts only with --train-data-path"),
     ([], "no training data: pass --data-path PREFIX"),
 ])
 def test_conflicting_data_sources_are_one_line_errors(flags, message):

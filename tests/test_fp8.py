@@ -110,7 +110,7 @@ def test_fp8_adds_no_parameter_or_buffer_so_checkpoints_are_unchanged():
     ({"fp8_margin": -1}, "--fp8-margin (-1) must be 0 or more"),
     ({"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 3},
      "--num-layers-at-start-in-bf16 (3) must be between 0 and num-layers (2)"),
-    ({"fp8_format": None, "first_last_layers_bf16": True}, "--first-last-layers-bf16 needs --fp8-format"),
+    ({"fp8_format": None, "first_last_layers_bf16": True}, "--first-last-layers-bf16 acts only with --fp8-format"),
 ])
 def test_unbuilt_fp8_combinations_are_one_line(values, expected):
     with pytest.raises(ConfigError) as error:

@@ -98,9 +98,9 @@ def test_dynamic_scaler_grows_after_a_clean_window_and_stops_at_the_minimum():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"loss_scale": 128.0}, "--loss-scale only applies with --fp16"),
+    ({"loss_scale": 128.0}, "--loss-scale acts only with --fp16"),
     ({"fp16": True, "hysteresis": 0}, "hysteresis (0)"),
-    ({"overlap_param_gather": True}, "--overlap-param-gather needs --use-distributed-optimizer"),
+    ({"overlap_param_gather": True}, "--overlap-param-gather acts only with --use-distributed-optimizer"),
 ])
 def test_bad_precision_and_sharding_flags_fail_with_what_to_change(values, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

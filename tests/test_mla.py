@@ -178,8 +178,8 @@ def test_planned_activation_bytes_per_token_are_what_autograd_saves(values, bf16
     ({"qk_pos_emb_head_dim": 7}, "RoPE needs an even qk-pos-emb-head-dim, got 7"),
     ({"kv_lora_rank": 0}, "kv-lora-rank (0) must be at least 1"),
     ({"disable_bias_linear": False}, "multi-latent attention has no biases"),
-    ({"multi_latent_attention": False}, "--q-lora-rank, --rotary-scaling-factor, --mscale-all-dim apply to "
-                                        "multi-latent attention only"),
+    ({"multi_latent_attention": False}, "--mscale-all-dim acts only with "
+                                        "--multi-latent-attention"),
     ({"yarn_beta_fast": 1.0}, "yarn-beta-fast (1.0) must exceed yarn-beta-slow (1.0)"),
 ])
 def test_impossible_latent_attention_settings_are_one_line(values, message):

@@ -114,7 +114,7 @@ def test_preset_has_the_published_shapes(preset):
 
 @pytest.mark.parametrize(("values", "message"), [
     ({"model_preset": "gpt2-124m", "use_rope_scaling": True},
-     "--use-rope-scaling needs --position-embedding-type rope, not learned_absolute"),
+     "--use-rope-scaling acts only with --position-embedding-type rope"),
     ({"model_preset": "llama-tiny", "use_rope_scaling": True, "rope_scaling_high_freq_factor": 1.0},
      "rope-scaling-high-freq-factor (1.0) must exceed rope-scaling-low-freq-factor (1.0)"),
     ({"model_preset": "llama-tiny", "rope_scaling_factor": 0.0}, "rope-scaling-factor (0.0) must be positive"),

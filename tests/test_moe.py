@@ -389,9 +389,9 @@ def test_local_experts_carry_global_names_and_single_device_weights():
     ({"moe_ffn_hidden_size": 50, "tensor_model_parallel_size": 4}, 4,
      "moe-ffn-hidden-size (50) must be divisible by expert-tensor-parallel-size (4)"),
     ({**SIGMOID, "moe_router_pre_softmax": True}, 1,
-     "--moe-router-pre-softmax applies to --moe-router-score-function softmax only"),
-    ({"moe_router_enable_expert_bias": True}, 1, "--moe-router-enable-expert-bias needs --moe-router-score-function "
-                                                 "sigmoid"),
+     "--moe-router-pre-softmax acts only with --moe-router-score-function softmax"),
+    ({"moe_router_enable_expert_bias": True}, 1, "--moe-router-enable-expert-bias acts only with "
+                                                 "--moe-router-score-function sigmoid"),
     ({"moe_router_num_groups": 3, "moe_router_group_topk": 1}, 1,
      "moe-router-num-groups (3) must divide num-experts (4)"),
     ({"moe_router_num_groups": 2, "moe_router_group_topk": 2, "moe_router_topk": 3}, 1,
@@ -399,7 +399,8 @@ def test_local_experts_carry_global_names_and_single_device_weights():
     ({"moe_router_num_groups": 2}, 1, "--moe-router-num-groups and --moe-router-group-topk go together"),
     ({"moe_shared_expert_intermediate_size": 30, "tensor_model_parallel_size": 4}, 4,
      "moe-shared-expert-intermediate-size (30) must be divisible by tensor-model-parallel-size (4)"),
-    ({"moe_shared_expert_gate": True}, 1, "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
+    ({"moe_shared_expert_gate": True}, 1,
+     "--moe-shared-expert-gate acts only with --moe-shared-expert-intermediate-size"),
 ])
 def test_bad_moe_configuration_is_one_line_error(values, world_size, message):
     with pytest.raises(ConfigError) as error:

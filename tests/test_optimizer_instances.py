@@ -56,8 +56,8 @@ def test_instances_are_consecutive_data_parallel_ranks_as_in_megatron():
 
 @pytest.mark.parametrize("values, message", [
     ({"num_distributed_optimizer_instances": 2},
-     "--num-distributed-optimizer-instances 2 needs --use-distributed-optimizer (or a "
-     "--data-parallel-sharding-strategy other than no_shard)"),
+     "--num-distributed-optimizer-instances acts only with --use-distributed-optimizer (or a "
+     "--data-parallel-sharding-strategy other than no_shard); add that or drop --num-distributed-optimizer-instances"),
     ({"num_distributed_optimizer_instances": 3, "use_distributed_optimizer": True},
      "num-distributed-optimizer-instances (3) must divide data-parallel x context-parallel size (4 x 1 = 4)"),
     ({"num_distributed_optimizer_instances": 4, "use_distributed_optimizer": True, "model_preset": "mixtral-tiny",

@@ -26,7 +26,8 @@ def test_interleaving_needs_microbatches_divisible_by_pipeline_size():
 
 def test_virtual_stages_need_pipeline_parallelism():
     message = error_for({"num_layers_per_virtual_pipeline_stage": 2}, 1)
-    assert message == "--num-layers-per-virtual-pipeline-stage needs pipeline-model-parallel-size > 1"
+    assert message == ("--num-layers-per-virtual-pipeline-stage acts only with --pipeline-model-parallel-size above "
+                       "1; add that or drop --num-layers-per-virtual-pipeline-stage")
 
 
 def test_layers_not_divisible_by_stages_need_an_explicit_split():
@@ -81,14 +82,15 @@ def test_virtual_stages_split_uneven_first_and_last_stages_as_megatron():
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"num_virtual_stages_per_pipeline_rank": 2}, "--num-virtual-stages-per-pipeline-rank needs "
-                                                  "pipeline-model-parallel-size > 1"),
+    ({"num_virtual_stages_per_pipeline_rank": 2}, "--num-virtual-stages-per-pipeline-rank acts only "
+     "with --pipeline-model-parallel-size above 1; add that or drop --num-virtual-stages-per-pipeline-rank"),
     ({"pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 3,
       "num_virtual_stages_per_pipeline_rank": 2},
      "layers of pipeline stage 0 (3) must be divisible by num-virtual-stages-per-pipeline-rank (2)"),
     ({"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
       "num_layers_per_virtual_pipeline_stage": 2},
-     "set one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"),
+     "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank exclude each other (one "
+     "would be ignored); give one of them"),
 ])
 def test_bad_virtual_stages_are_one_line(values, message):
     assert error_for(values, values.get("pipeline_model_parallel_size", 1)) == message

@@ -98,7 +98,8 @@ def test_zb_h1_with_distributed_optimizer_and_overlapped_reduce_over_dp2_trains_
 
 
 @pytest.mark.parametrize(("values", "world_size", "message"), [
-    ({"pipeline_schedule": "gpipe"}, 1, "--pipeline-schedule gpipe needs pipeline-model-parallel-size > 1"),
+    ({"pipeline_schedule": "gpipe"}, 1, "--pipeline-schedule acts only with --pipeline-model-parallel-size above 1; "
+                                        "add that or drop --pipeline-schedule"),
     ({"pipeline_schedule": "gpipe", "pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 2},
      2, "--pipeline-schedule gpipe has no interleaved form; drop --num-layers-per-virtual-pipeline-stage / "
         "--num-virtual-stages-per-pipeline-rank or use 1f1b"),

@@ -159,7 +159,8 @@ def test_a_given_schedule_applies_to_pipelined_layouts_only_and_a_flag_every_lay
     assert any(" pp1 " in name for name in names["gpipe"]) and any(" vp2 " in name for name in names["gpipe"])
     assert plan_layout.main([*flags, "--optimizer-offload-fraction", "0.5"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "plan_layout.py: error: --optimizer-offload-fraction 0.5 needs --optimizer-cpu-offload")
+        "plan_layout.py: error: --optimizer-offload-fraction acts only with --optimizer-cpu-offload; add that or "
+        "drop --optimizer-offload-fraction")
 
 
 ZB_H1_LAYOUTS = {

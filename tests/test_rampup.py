@@ -105,7 +105,7 @@ def test_rampup_flag_takes_three_values_and_says_what_they_mean():
     ({"rampup_batch_size": [2, 2]}, 1, "--rampup-batch-size takes 3 values, START INCREMENT SAMPLES; got 2"),
     ({"rampup_batch_size": [0, 2, 24]}, 1, "START (0) and INCREMENT (2) must be positive"),
     ({"rampup_batch_size": [2, 2, 24], "train_samples": None, "train_iters": 10}, 1,
-     "--rampup-batch-size need sample-based training: give --train-samples instead of --train-iters"),
+     "--rampup-batch-size acts only with --train-samples"),
     ({"rampup_batch_size": [2, 3, 24], "pipeline_model_parallel_size": 2, "num_layers": 4,
       "num_layers_per_virtual_pipeline_stage": 1}, 2,
      "rampup-batch-size INCREMENT (3) must be a multiple of pipeline-model-parallel-size (2) micro-batches (2 "

@@ -58,7 +58,7 @@ def test_block_counts_layers_per_pipeline_stage(monkeypatch):
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({"recompute_method": "uniform", "recompute_num_layers": 2},
-     "--recompute-method needs --recompute-granularity full"),
+     "--recompute-method acts only with --recompute-granularity full"),
     ({"recompute_granularity": "full", "recompute_method": "block"},
      "--recompute-method block needs --recompute-num-layers"),
 ])

@@ -125,18 +125,18 @@ def test_schedule_flags_are_in_help_with_their_meaning():
     ({"train_samples": 40, "lr_decay_style": "WSD"}, "--lr-decay-style WSD needs --lr-wsd-decay-samples"),
     ({"lr_decay_style": "WSD", "lr_wsd_decay_iters": 200}, "lr-wsd-decay-iters (200) must not exceed "
                                                            "lr-decay-iters (100)"),
-    ({"lr_wsd_decay_iters": 5}, "--lr-wsd-decay-iters only apply with --lr-decay-style WSD"),
-    ({"train_iters": 10, "train_samples": 40}, "give one of --train-iters (10) and --train-samples (40)"),
-    ({"lr_decay_samples": 40}, "--lr-decay-samples need sample-based training: give --train-samples"),
-    ({"train_samples": 40, "lr_warmup_iters": 2}, "--lr-warmup-iters count iterations; with --train-samples give "
-                                                  "the -samples flags instead"),
+    ({"lr_wsd_decay_iters": 5}, "--lr-wsd-decay-iters acts only with --lr-decay-style WSD"),
+    ({"train_iters": 10, "train_samples": 40}, "--train-iters and --train-samples exclude each other"),
+    ({"lr_decay_samples": 40}, "--lr-decay-samples acts only with --train-samples"),
+    ({"train_samples": 40, "lr_warmup_iters": 2}, "--lr-warmup-iters and --train-samples exclude each other"),
     ({"train_samples": 3}, "train-samples (3) must hold at least the first global batch (4)"),
-    ({"lr_warmup_fraction": 0.1, "lr_warmup_iters": 2}, "give one of --lr-warmup-fraction and --lr-warmup-iters"),
+    ({"lr_warmup_fraction": 0.1, "lr_warmup_iters": 2},
+     "--lr-warmup-fraction and --lr-warmup-iters exclude each other"),
     ({"lr_warmup_init": 2.0}, "lr-warmup-init (2.0) must not exceed lr (1.0)"),
     ({"lr_warmup_fraction": 1.5}, "lr-warmup-fraction (1.5) must be at least 0 and below 1"),
     ({"weight_decay_incr_style": "linear"}, "--weight-decay-incr-style linear needs --start-weight-decay and "
                                             "--end-weight-decay"),
-    ({"start_weight_decay": 0.0}, "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear"),
+    ({"start_weight_decay": 0.0}, "--start-weight-decay acts only with --weight-decay-incr-style linear or cosine"),
     ({"weight_decay_incr_style": "cosine", "start_weight_decay": 0.1, "end_weight_decay": 0.0},
      "end-weight-decay (0.0) must not be below start-weight-decay (0.1)"),
     # Megatron's scheduler: the warmup ends before the decay does (by default the decay lasts the whole run)

@@ -35,14 +35,9 @@ def test_sequence_parallel_is_accepted_when_everything_divides():
     assert config.parallel.data_parallel_size == 2
 
 
-def test_sequence_parallel_at_tp1_is_turned_off_with_one_warning_as_in_megatron(capsys, monkeypatch):
-    config = make_config({**BASE, "sequence_parallel": True}, world_size=2)
-    assert not config.parallel.sequence_parallel
-    assert capsys.readouterr().out == ("warning: disabling --sequence-parallel because tensor-model-parallel-size "
-                                       "is 1\n")
-    monkeypatch.setenv("RANK", "1")
-    assert not make_config({**BASE, "sequence_parallel": True}, world_size=2).parallel.sequence_parallel
-    assert capsys.readouterr().out == ""
+def test_sequence_parallel_at_tp1_is_refused_as_a_flag_that_would_do_nothing():
+    with pytest.raises(ConfigError, match="--sequence-parallel acts only with --tensor-model-parallel-size above 1"):
+        make_config({**BASE, "sequence_parallel": True}, world_size=2)
 
 
 @pytest.mark.parametrize(("tp", "padded"), [(1, 1000), (2, 1000), (4, 1200), (8, 1600)])

@@ -20,14 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-
 from megatron_lite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
-from megatron_lite.generation import SamplingParams, generate, load_model  # noqa: E402
-from megatron_lite.hf.checkpoint import resolve_checkpoint  # noqa: E402
+from megatron_lite.sampling_params import SamplingParams  # noqa: E402
 from megatron_lite.tool_args import ToolParser, non_negative_int, positive_int, seed  # noqa: E402
-from megatron_lite.training import resolve_device  # noqa: E402
 
 
 def find_tokenizer(path: str, config, tokenizer_type: str | None, tokenizer_model: str | None):
@@ -91,7 +87,14 @@ def main(argv=None) -> int:
 
 
 def generate_from(args, parser: ToolParser, sampling: SamplingParams) -> int:
-    """Load the checkpoint (and its tokenizer), generate and print: what main does once the flags are checked."""
+    """Load the checkpoint (and its tokenizer), generate and print: what main does once the flags are checked
+    (torch and the model are imported only then, so a mistake in a flag is answered at once)."""
+    import torch
+
+    from megatron_lite.generation import generate, load_model
+    from megatron_lite.hf.checkpoint import resolve_checkpoint
+    from megatron_lite.training import resolve_device
+
     path = resolve_checkpoint(args.load, args.iteration)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu")

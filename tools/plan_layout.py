@@ -27,15 +27,16 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.arguments import build_parser, make_config  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
-from megatron_lite.planning import report  # noqa: E402
-from megatron_lite.planning.layouts import enumerate_plans, plan_layout  # noqa: E402
-from megatron_lite.planning.step_time import Hardware  # noqa: E402
 from megatron_lite.tool_args import ToolParser, fraction, non_negative_int, positive_float, positive_int  # noqa: E402
+
+if TYPE_CHECKING:
+    from megatron_lite.planning.step_time import Hardware
 
 LAYOUT_FLAGS = {"tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
                 "expert_model_parallel_size", "expert_tensor_parallel_size", "num_layers_per_virtual_pipeline_stage",
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     if "config" in flags:
         planner.error("pass flags, not --config")
     values = {"mock_data": True, **flags}
+    from megatron_lite.planning import report  # the planner imports torch: only once the flags are read
+    from megatron_lite.planning.layouts import enumerate_plans
+    from megatron_lite.planning.step_time import Hardware
+
     hardware = Hardware(args.tflops, args.intra_node_gbps * 1e9, args.inter_node_gbps * 1e9, args.host_gbps * 1e9,
                         args.gpus_per_node)
     memory = int(args.gpu_memory_gib * report.GIB)
@@ -134,6 +139,9 @@ def _refusal_of_all(refused: Counter) -> str:
 
 def _check_one(values: dict, args, memory: int, hardware: Hardware) -> int:
     """Plan the one layout the flags give; refuse it (status 1) when a rank does not fit."""
+    from megatron_lite.planning import report
+    from megatron_lite.planning.layouts import plan_layout
+
     config = make_config(values, args.world_size)
     plan = plan_layout(config, memory, hardware)
     if args.json:

@@ -39,7 +39,6 @@ import torch
 from megatron_lite.parallel import mappings
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn), "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
-BUILT_RECIPES = ("tensorwise", "rowwise")
 
 
 @dataclass(frozen=True)

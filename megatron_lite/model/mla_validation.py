@@ -15,12 +15,6 @@ if TYPE_CHECKING:
     from megatron_lite.config import Config, ModelConfig
 
 _MLA_SIZES = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
-# flag: its value when unused, for a run without --multi-latent-attention
-_MLA_ONLY = {"q_lora_rank": None, "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _yarn_problems(m: ModelConfig) -> list[str]:
@@ -65,8 +59,4 @@ def mla_problems(config: Config) -> list[str]:
     problems = layer_pattern_problems(m)
     if m.multi_latent_attention:
         return problems + _attention_problems(m) + _yarn_problems(m)
-    unused = [_flag(name) for name, unused_value in _MLA_ONLY.items() if getattr(m, name) != unused_value]
-    if unused:
-        problems.append(f"{', '.join(unused)} apply to multi-latent attention only; pass --multi-latent-attention "
-                        f"or drop them")
     return problems

@@ -18,9 +18,6 @@ def expert_layout_problems(config: Config) -> list[str]:
     etp = p.expert_tensor_parallel_size or tp
     problems = []
     if not m.num_experts:
-        for flag, size, default in (("expert-model-parallel-size", ep, 1), ("expert-tensor-parallel-size", etp, tp)):
-            if size != default:
-                problems.append(f"--{flag} {size} needs --num-experts")
         return problems
     stage = tp * cp * dp
     if stage % (etp * ep):

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-from megatron_lite.config import Config, OptimizerConfig
-from megatron_lite.optim.muon import steps_problem
+from megatron_lite.config import Config
+from megatron_lite.optim.muon_coefficients import steps_problem
 
 
 def muon_problems(config: Config) -> list[str]:
-    """One line per problem: Muon flags without --optimizer muon, values Muon cannot take, features it lacks."""
+    """One line per problem: values Muon cannot take, features it lacks (flags without --optimizer muon are
+    flag_dependencies.py's)."""
     o = config.optimizer
     if o.optimizer != "muon":
-        defaults = OptimizerConfig()
-        changed = [f.name for f in dataclasses.fields(o)
-                   if f.name.startswith("muon_") and getattr(o, f.name) != getattr(defaults, f.name)]
-        return [f"--{changed[0].replace('_', '-')} takes effect only with --optimizer muon"] if changed else []
+        return []
     problems = []
     if o.muon_scalar_optimizer != "adam":
         problems.append(f"--muon-scalar-optimizer {o.muon_scalar_optimizer} is not supported; use adam")

@@ -11,28 +11,11 @@ if TYPE_CHECKING:
     from megatron_lite.config import Config
 
 
-def _given(section, *names: str) -> list[str]:
-    """The flags among `names` set to something other than unset (None) or 0."""
-    return ["--" + name.replace("_", "-") for name in names if getattr(section, name) not in (None, 0)]
-
-
 def schedule_problems(config: Config) -> list[str]:
-    """Megatron's rules for the training length, batch ramp-up and schedules: a run counts iterations
-    (--train-iters) or samples (--train-samples), and every schedule flag counts in the same unit."""
+    """Megatron's rules for the training length, batch ramp-up and schedules. That a run counts iterations
+    (--train-iters) or samples (--train-samples), every schedule flag in the same unit, is flag_dependencies.py's."""
     o, t = config.optimizer, config.training
-    if t.train_samples is None:
-        by_samples = _given(o, "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples") + _given(
-            t, "rampup_batch_size")
-        problems = [f"{', '.join(by_samples)} need sample-based training: give --train-samples instead of "
-                    f"--train-iters"] if by_samples else []
-    else:
-        by_iterations = _given(o, "lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")
-        problems = [f"{', '.join(by_iterations)} count iterations; with --train-samples give the -samples "
-                    f"flags instead"] if by_iterations else []
-        if t.train_iters is not None:
-            problems.append(f"give one of --train-iters ({t.train_iters}) and --train-samples ({t.train_samples})")
-    if o.lr_warmup_fraction is not None and (o.lr_warmup_iters or o.lr_warmup_samples):
-        problems.append("give one of --lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples")
+    problems = []
     if o.lr_warmup_init > o.lr:
         problems.append(f"lr-warmup-init ({o.lr_warmup_init}) must not exceed lr ({o.lr})")
     problems += _wsd_problems(config) + _weight_decay_problems(config)
@@ -107,8 +90,7 @@ def _wsd_problems(config: Config) -> list[str]:
     unit = "iters" if config.training.train_samples is None else "samples"
     decay_phase, decay = getattr(o, f"lr_wsd_decay_{unit}"), getattr(o, f"lr_decay_{unit}")
     if o.lr_decay_style != "WSD":
-        given = _given(o, "lr_wsd_decay_iters", "lr_wsd_decay_samples")
-        return [f"{', '.join(given)} only apply with --lr-decay-style WSD"] if given else []
+        return []
     if decay_phase is None:
         return [f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the length of its final decay phase)"]
     if decay_phase > decay:
@@ -120,9 +102,7 @@ def _weight_decay_problems(config: Config) -> list[str]:
     o = config.optimizer
     start, end = o.start_weight_decay, o.end_weight_decay
     if o.weight_decay_incr_style == "constant":
-        return [] if start is None and end is None else [
-            "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine (constant "
-            "keeps --weight-decay)"]
+        return []
     if start is None or end is None:
         return [f"--weight-decay-incr-style {o.weight_decay_incr_style} needs --start-weight-decay and "
                 f"--end-weight-decay"]

@@ -178,8 +178,10 @@ def _layout_flags(tp, cp, pp, ep, etp, sharding, num_layers, schedules, offload_
     for vp, (strategy, instances), recompute_name, fraction in itertools.product(
             (1, 2, 4) if pp > 1 else (1,), sharding, recompute, offload_fractions):
         flags = {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1, "context_parallel_size": cp,
-                 "pipeline_model_parallel_size": pp, "expert_model_parallel_size": ep,
-                 "data_parallel_sharding_strategy": strategy, **RECOMPUTE[recompute_name]}
+                 "pipeline_model_parallel_size": pp, "data_parallel_sharding_strategy": strategy,
+                 **RECOMPUTE[recompute_name]}
+        if ep > 1:  # named only where it acts, as every flag
+            flags["expert_model_parallel_size"] = ep
         if etp != tp:
             flags["expert_tensor_parallel_size"] = etp
         if instances > 1:
