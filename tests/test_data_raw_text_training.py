@@ -128,5 +128,31 @@ def test_a_damaged_compressed_source_is_one_line_also_from_a_loader_worker(tmp_p
                         r"or leave it out", str(error.value))
     (tmp_path / "plain.jsonl.zst").write_text('{"text": "1 2 3"}\n')  # named .zst, not compressed
     with pytest.raises(DataError, match=rf"^{tmp_path}/plain.jsonl.zst cannot be decompressed after line 0 "
-                                        r"\(zstd decompress error: .*\); replace the file with a complete zst file"):
+                                        r"\(zstd decompress(or)? error: .*\); replace the file with a complete "
+                                        r"zst file"):
         _train(raw_values([str(tmp_path / "plain.jsonl.zst")]), _never_built)
+
+
+def test_a_zstd_source_cut_short_names_the_damage_not_a_shorter_corpus(tmp_path):
+    import zstandard
+
+    documents = random_documents(2000, 4)
+    write_documents(tmp_path / "whole.jsonl.zst", documents, opener=zstandard.open)
+    data = (tmp_path / "whole.jsonl.zst").read_bytes()
+    (tmp_path / "cut.jsonl.zst").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError) as error:
+        _train(raw_values([str(tmp_path / "cut.jsonl.zst")]))
+    assert re.fullmatch(rf"{tmp_path}/cut.jsonl.zst cannot be decompressed after line \d+ \(the file ends inside a "
+                        r"zstd frame: it was cut short\); replace the file with a complete zst file or leave it out",
+                        str(error.value))
+
+
+def test_a_folder_that_looks_like_a_saved_dataset_but_is_not_is_one_line(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["1 2 3"]}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "saved" / "state.json").write_text("{not json")
+    with pytest.raises(DataError, match=rf"^{tmp_path}/saved looks like a saved dataset \(it holds state.json or "
+                                        r"dataset_dict.json\) but cannot be loaded \(JSONDecodeError: .*\); save it "
+                                        r"again with datasets' save_to_disk, or point --data-path at the raw files$"):
+        _train(raw_values([str(tmp_path / "saved")]), _never_built)

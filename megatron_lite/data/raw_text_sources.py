@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import io
 import json
 import os
 
@@ -202,8 +201,38 @@ def _open_compressed(chunk: Chunk):
         import zstandard
     except ImportError:
         raise DataError(f"reading {chunk.path} needs the zstandard package: pip install zstandard") from None
-    reader = zstandard.ZstdDecompressor().stream_reader(open(chunk.path, "rb"), closefd=True)  # noqa: SIM115
-    return io.BufferedReader(reader), (zstandard.ZstdError, OSError)
+    return _ZstdLines(chunk.path, zstandard.ZstdDecompressor()), (zstandard.ZstdError, OSError, EOFError)
+
+
+class _ZstdLines:
+    """The lines of a .zst file, frame after frame; EOFError where the file ends inside a frame (zstandard's
+    stream reader ends there without a word, so a file cut short would read as a shorter corpus)."""
+
+    _BLOCK = 1 << 20  # compressed bytes read at a time
+
+    def __init__(self, path: str, decompressor):
+        self.path, self.decompressor = path, decompressor
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+    def __iter__(self):
+        frame, pending = self.decompressor.decompressobj(), b""
+        with open(self.path, "rb") as f:
+            while block := f.read(self._BLOCK):
+                data = frame.decompress(block)
+                while frame.eof and frame.unused_data:  # the next frame begins in this block
+                    rest, frame = frame.unused_data, self.decompressor.decompressobj()
+                    data += frame.decompress(rest)
+                *lines, pending = (pending + data).split(b"\n")
+                yield from (line + b"\n" for line in lines)
+        if not frame.eof:
+            raise EOFError("the file ends inside a zstd frame: it was cut short")
+        if pending:
+            yield pending
 
 
 def _read_table(chunk: Chunk, key: str):
@@ -233,7 +262,12 @@ def _load_saved(path: str):
     import datasets
 
     if path not in _OPENED:
-        dataset = datasets.load_from_disk(path)
+        try:
+            dataset = datasets.load_from_disk(path)
+        except (ValueError, KeyError, TypeError, OSError) as error:  # json.JSONDecodeError is a ValueError
+            raise DataError(f"{path} looks like a saved dataset (it holds state.json or dataset_dict.json) but "
+                            f"cannot be loaded ({type(error).__name__}: {error}); save it again with "
+                            f"datasets' save_to_disk, or point --data-path at the raw files") from None
         if isinstance(dataset, datasets.DatasetDict):
             dataset = datasets.concatenate_datasets(list(dataset.values()))
         _OPENED[path] = dataset
