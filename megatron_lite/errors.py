@@ -20,6 +20,10 @@ class DataError(UserError, ValueError):
     """A dataset (or tokenizer file) does not hold what it claims; the message names the file."""
 
 
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be saved or loaded as asked; the message says what to change."""
+
+
 class TrainingDivergedError(UserError, FloatingPointError):
     """The loss or gradient norm became NaN or infinite; the step was not applied and nothing was saved."""
 

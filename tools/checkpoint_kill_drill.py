@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_lite.checkpoint import directory  # noqa: E402
-from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors  # noqa: E402
 from megatron_lite.tool_args import ToolParser, non_negative_int, positive_int, seed  # noqa: E402
 
 MODEL_FLAGS = ["--model-preset", "llama-tiny", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
@@ -83,6 +82,8 @@ def resumed_iteration(log: str) -> int:
 
 def check_loadable(root: str) -> int:
     """Load every tensor of every complete checkpoint; returns how many there are. Raises on any failure."""
+    from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors  # torch: once the flags are read
+
     iterations = directory.complete_iterations(root)
     for iteration in iterations:
         tensors = read_checkpoint_tensors(directory.checkpoint_path(root, iteration))

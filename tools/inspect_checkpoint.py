@@ -20,9 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.checkpoint import checksums, directory  # noqa: E402
-from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors, stored_bytes  # noqa: E402
-from megatron_lite.checkpoint.planner import CheckpointError, SafeFileSystemReader  # noqa: E402
-from megatron_lite.errors import UserError  # noqa: E402
+from megatron_lite.errors import CheckpointError, UserError  # noqa: E402
 from megatron_lite.tool_args import ToolParser, non_negative_int  # noqa: E402
 
 _LAYOUT_KEYS = ("tp", "cp", "dp", "pp", "ep", "etp", "vp")  # etp only where it differs from tp
@@ -46,6 +44,9 @@ def _natural(key: str):
 
 
 def describe(path: str, show_all: bool) -> list[str]:
+    from megatron_lite.checkpoint.checkpointing import stored_bytes  # torch: once the flags are read
+    from megatron_lite.checkpoint.planner import SafeFileSystemReader
+
     saved = directory.read_metadata(path)
     stored = SafeFileSystemReader(path).read_metadata()
     layout = dict(saved.get("layout", {}))
@@ -108,6 +109,8 @@ def show(args) -> None:
     print("\n".join(describe(path, args.all)))
     if args.check:
         print(verify_files(path))
+        from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
+
         tensors = read_checkpoint_tensors(path)
         bad = [k for k, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()]
         print(f"read {len(tensors)} tensors: " + (f"non-finite values in {bad}" if bad else "all finite"))

@@ -41,11 +41,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_lite.checkpoint.sharded import ShardedTensor
-from megatron_lite.errors import UserError
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint cannot be saved or loaded as asked; the message says what to change."""
+from megatron_lite.errors import CheckpointError
 
 
 def _index(piece: ShardedTensor) -> tuple[str, tuple[int, ...]]:
