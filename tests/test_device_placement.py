@@ -144,8 +144,8 @@ FEATURES = {
     "offload_half_zero1_bf16": {"bf16": True, "data_parallel_sharding_strategy": "optim",
                                 "optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5},
     "offload_zero3": {"data_parallel_sharding_strategy": "optim_grads_params", "optimizer_cpu_offload": True},
-    "cp_allgather": {"cp_comm_type": "allgather"},
-    "gpt2_dropout": {"model_preset": "gpt2-124m", "hidden_dropout": 0.1, "attention_dropout": 0.0},
+    "gpt2_dropout": {"model_preset": "gpt2-124m", "num_query_groups": None, "hidden_dropout": 0.1,
+                     "attention_dropout": 0.0},
     "sequence_parallel": {},
 }
 

@@ -4,6 +4,7 @@ both flags, before torch is imported, never a run that trains as if the flag had
 import dataclasses
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,15 @@ def test_every_flag_of_the_parser_has_an_entry_and_only_one():
     assert flags - RULES.keys() - STANDS_ALONE == set(), "add these flags to flag_dependencies.RULES or STANDS_ALONE"
     assert RULES.keys() & STANDS_ALONE == set()
     assert (RULES.keys() | STANDS_ALONE) - flags == set(), "entries for flags the parser does not have"
+
+
+def test_the_flags_page_names_every_rule():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "flags.md").read_text()
+    for name, rules in RULES.items():
+        assert f"`--{name.replace('_', '-')}`" in page, name
+        for rule in rules:
+            for other in (rule.flags if isinstance(rule, Needs) else (rule.flag,)):
+                assert f"`--{other.replace('_', '-')}" in page, (name, other)
 
 
 def test_every_rule_names_flags_that_exist():
