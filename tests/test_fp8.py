@@ -111,6 +111,12 @@ def test_fp8_adds_no_parameter_or_buffer_so_checkpoints_are_unchanged():
     ({"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 3},
      "--num-layers-at-start-in-bf16 (3) must be between 0 and num-layers (2)"),
     ({"fp8_format": None, "first_last_layers_bf16": True}, "--first-last-layers-bf16 acts only with --fp8-format"),
+    ({"num_layers": 4, "first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 3,
+      "num_layers_at_end_in_bf16": 3},
+     "--num-layers-at-start-in-bf16 (3) + --num-layers-at-end-in-bf16 (3) cover all 4 layers, so no layer would run "
+     "in FP8; lower them or drop --fp8-format"),
+    ({"num_layers": 4, "first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 2,
+      "num_layers_at_end_in_bf16": 2}, "cover all 4 layers"),
 ])
 def test_unbuilt_fp8_combinations_are_one_line(values, expected):
     with pytest.raises(ConfigError) as error:
