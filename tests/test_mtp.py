@@ -136,14 +136,14 @@ def test_mtp_stays_out_of_evaluation_and_generation():
     logits = model(tokens[:, :-1], positions)
     model(tokens[:, :-1], positions, labels=tokens[:, 1:])
     assert model.mtp.totals is None  # no MTP forward ran
-    without = GPTModel(make_config({**LLAMA, "mtp_num_layers": None, "hidden_dropout": 0.0,
-                                    "attention_dropout": 0.0}, 1).model,
+    dense = {k: v for k, v in LLAMA.items() if not k.startswith("mtp_")}
+    without = GPTModel(make_config({**dense, "hidden_dropout": 0.0, "attention_dropout": 0.0}, 1).model,
                        ParallelState.single(), padded_vocab=padded_vocab_for(config), seed=config.training.seed).eval()
     torch.testing.assert_close(logits, without(tokens[:, :-1], positions), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("values, expected", [
-    ({"mtp_num_layers": 0}, "--mtp-num-layers must be at least 1"),
+    ({"mtp_num_layers": 0}, r"mtp-num-layers \(0\) must be at least 1"),
     ({"mtp_loss_scaling_factor": -0.1}, "--mtp-loss-scaling-factor must be a finite number >= 0"),
 ])
 def test_bad_mtp_flags_are_one_line(values, expected):

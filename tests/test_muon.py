@@ -168,7 +168,7 @@ def test_newton_schulz_brings_singular_values_near_one():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"muon_nesterov": True}, "--muon-nesterov acts only with --optimizer muon"),
+    ({"muon_nesterov": True}, "--muon-nesterov acts only with --optimizer muon; add that or drop --muon-nesterov"),
     ({"optimizer": "muon", "muon_num_ns_steps": 4},
      "--muon-num-ns-steps (4) must be a multiple of 5 with --muon-coefficient-type quintic"),
     ({"optimizer": "muon", "muon_coefficient_type": "polar_express"},

@@ -19,10 +19,7 @@ def mtp_problems(config: Config) -> list[str]:
         problems.append(f"--mtp-loss-scaling-factor must be a finite number >= 0 (got {factor})")
     if m.mtp_num_layers is None:
         return problems
-    if m.mtp_num_layers < 1:
-        problems.append(f"--mtp-num-layers must be at least 1 (got {m.mtp_num_layers}); leave it unset for no "
-                        f"multi-token prediction")
-    elif m.mtp_num_layers >= m.seq_length:  # depth k predicts token i + k + 1: seq-length - k targets a sequence
+    if m.mtp_num_layers >= m.seq_length:  # depth k predicts token i + k + 1: seq-length - k targets a sequence
         problems.append(f"--mtp-num-layers ({m.mtp_num_layers}) leaves depth {m.seq_length} without a target in a "
                         f"sequence of --seq-length {m.seq_length} (depth k predicts token i + k + 1); use at most "
                         f"{m.seq_length - 1} depths")
