@@ -163,7 +163,8 @@ def test_weights_loaded_without_optimizer_state_become_the_host_masters(tmp_path
      "--optimizer-offload-fraction (1.5) must be between 0 and 1"),
     ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": -0.1},
      "--optimizer-offload-fraction (-0.1) must be between 0 and 1"),
-    ({"optimizer_offload_fraction": 0.5}, "--optimizer-offload-fraction acts only with --optimizer-cpu-offload"),
+    ({"optimizer_offload_fraction": 0.5}, "--optimizer-offload-fraction acts only with --optimizer-cpu-offload; add "
+                                          "that or drop --optimizer-offload-fraction"),
 ])
 def test_bad_offload_flags_are_refused_in_one_line(flags, message):
     with pytest.raises(ConfigError) as error:
