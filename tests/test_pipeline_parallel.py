@@ -10,7 +10,7 @@ from tests.helpers import TINY_8_LAYERS, assert_run_matches, join_shards, refere
 
 GPT2_LIKE = {
     **TINY_8_LAYERS, "model_preset": "gpt2-124m", "num_layers": 4, "num_attention_heads": 4, "ffn_hidden_size": 256,
-    "vocab_size": 500, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+    "vocab_size": 500, "hidden_dropout": 0.0, "attention_dropout": 0.0, "num_query_groups": None,
 }
 
 def test_pp2_1f1b_matches_single_device():

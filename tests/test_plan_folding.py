@@ -74,7 +74,7 @@ def test_the_candidates_of_a_moe_preset_include_folded_layouts():
     for flags in candidates:
         if flags["context_parallel_size"] == flags["pipeline_model_parallel_size"] == 1:
             tp = flags["tensor_model_parallel_size"]
-            seen.setdefault(tp, set()).add((flags["expert_model_parallel_size"],
+            seen.setdefault(tp, set()).add((flags.get("expert_model_parallel_size", 1),
                                             flags.get("expert_tensor_parallel_size", tp)))
     assert seen == {1: {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)}, 2: {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)},
                     4: {(1, 1), (1, 2), (1, 4)}}

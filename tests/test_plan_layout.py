@@ -27,7 +27,7 @@ from tools import plan_layout
 LLAMA = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 96,
          "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 250, "seq_length": 32,
          "max_position_embeddings": 32, "micro_batch_size": 1, "global_batch_size": 8}
-GPT = {**LLAMA, "model_preset": "gpt2-124m", "untie_embeddings_and_output_weights": False}
+GPT = {**LLAMA, "model_preset": "gpt2-124m", "num_query_groups": None, "untie_embeddings_and_output_weights": False}
 LAYOUTS = {
     "tp2_sp_dp2_zero1_bf16_small_buckets": {**LLAMA, "tensor_model_parallel_size": 2, "sequence_parallel": True,
                                            "use_distributed_optimizer": True, "bf16": True,
@@ -248,7 +248,7 @@ def test_the_candidates_of_a_moe_preset_include_expert_parallelism_and_uneven_pi
     """The preset names the experts (mixtral-tiny: 8) and layers (4), not the flags given."""
     base = {"model_preset": "mixtral-tiny", "mock_data": True, "num_layers": 3}
     candidates = list(candidate_flags(base, 4, 8, ("1f1b",)))
-    assert {flags["expert_model_parallel_size"] for flags in candidates} == {1, 2, 4}
+    assert {flags.get("expert_model_parallel_size", 1) for flags in candidates} == {1, 2, 4}
     pipelined = [flags for flags in candidates if flags["pipeline_model_parallel_size"] == 2]
     assert pipelined and all(flags.get("decoder_first_pipeline_num_layers") == 2 and
                              flags.get("decoder_last_pipeline_num_layers") == 1 for flags in pipelined)
