@@ -222,6 +222,14 @@ def given_flags(values: dict) -> set[str]:
     return {name for name, value in values.items() if value is not None and value is not False}
 
 
+def acting_flags(config: Config, names: Iterable[str]) -> list[str]:
+    """The flags among `names` that act in `config`: set to something, and every condition of theirs holding (what
+    a configuration file written from `config` should name, so that it reads back without a refusal)."""
+    settings = _settings(config)
+    return [name for name in names if name in given_flags({name: settings[name]})
+            and all(rule.holds(settings) for rule in RULES.get(name, ()))]
+
+
 def dependency_problems(config: Config, given: Iterable[str]) -> list[str]:
     """One line for each condition of a given flag that does not hold."""
     settings = _settings(config)

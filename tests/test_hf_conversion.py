@@ -229,7 +229,8 @@ def test_sharded_export_loads_in_transformers_and_converts_back(converted, tmp_p
 
 OURS = {
     "llama": {"model_preset": "llama-tiny", "untie_embeddings_and_output_weights": False, "ffn_hidden_size": 128},
-    "gpt2": {"model_preset": "gpt2-124m", "ffn_hidden_size": 256, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "gpt2": {"model_preset": "gpt2-124m", "ffn_hidden_size": 256, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+             "num_query_groups": None},
     "mixtral": {"model_preset": "mixtral-tiny", "ffn_hidden_size": 64, "num_experts": 4},
     "qwen2_moe": {"model_preset": "mixtral-tiny", "ffn_hidden_size": 64, "num_experts": 4, "add_qkv_bias": True,
                   "moe_router_pre_softmax": True, "moe_shared_expert_intermediate_size": 96,
@@ -239,10 +240,11 @@ OURS = {
 
 @pytest.mark.parametrize("family", list(OURS))
 def test_trained_checkpoint_exports_to_transformers_with_our_logits(family, tmp_path):
-    config = make_config({**OURS[family], "mock_data": True, "vocab_size": HF_VOCAB, "num_layers": 2, "hidden_size": 64,
+    config = make_config({"mock_data": True, "vocab_size": HF_VOCAB, "num_layers": 2, "hidden_size": 64,
                           "num_attention_heads": 4, "num_query_groups": 2, "seq_length": SEQ,
                           "max_position_embeddings": SEQ, "train_iters": 2, "global_batch_size": 2, "lr": 1e-2,
-                          "save": str(tmp_path / "run"), "log_interval": 1000, "eval_interval": 1000, "device": "cpu"})
+                          "save": str(tmp_path / "run"), "log_interval": 1000, "eval_interval": 1000, "device": "cpu",
+                          **OURS[family]})
     pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
     with open(tmp_path / "run/generation_config.json", "w") as f:  # generation defaults beside the checkpoint
         json.dump({"bos_token_id": 5, "eos_token_id": 6}, f)

@@ -3,6 +3,10 @@
     python tools/convert_checkpoint.py --direction hf-to-mlite --load-dir hf/Llama-3.2-1B --save-dir ckpt/llama
     python tools/convert_checkpoint.py --direction mlite-to-hf --load-dir checkpoints/run1 --save-dir hf/run1
 
+Both directions stream a layer at a time: each layer's tensors are read, converted, written and freed
+before the next layer's are read, so host memory stays at about two of the largest layer or vocabulary
+table, whatever the model's depth (benchmarks/convert_checkpoint.py measures it).
+
 hf-to-mlite reads a local model directory (config.json, model.safetensors or a sharded index; nothing is
 downloaded) and writes an ordinary checkpoint holding the model weights only, which any layout loads:
   torchrun --nproc-per-node 4 pretrain_gpt.py --config ckpt/llama/model.yaml --load ckpt/llama --finetune \\
@@ -20,6 +24,7 @@ tokenizer files of the checkpoint (or of the run's --tokenizer-model) when there
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -34,15 +39,7 @@ from tqdm import tqdm  # noqa: E402
 
 from megatron_lite.arguments import ConfigError, make_config  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
-from megatron_lite.hf import configs, safetensors_files, weights  # noqa: E402
-from megatron_lite.hf.checkpoint import (  # noqa: E402
-    config_from_metadata,
-    model_flags,
-    read_model_checkpoint,
-    resolve_checkpoint,
-    write_model_checkpoint,
-)
-from megatron_lite.hf.configs import ConversionError  # noqa: E402
+from megatron_lite.hf.sizes import parse_size  # noqa: E402
 from megatron_lite.tool_args import ToolParser, non_negative_int, output_directory, positive_int  # noqa: E402
 
 
@@ -51,6 +48,8 @@ def _layer_progress(description: str):
 
 
 def _empty_target(path: str) -> None:
+    from megatron_lite.hf.configs import ConversionError
+
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConversionError(f"--save-dir {path} is a file; choose a new directory")
     if os.path.isdir(path) and os.listdir(path):
@@ -59,6 +58,10 @@ def _empty_target(path: str) -> None:
 
 
 def hf_to_mlite(args) -> str:
+    from megatron_lite.hf import configs, safetensors_files, weights  # torch: once the flags are read
+    from megatron_lite.hf.checkpoint import model_flags, write_model_checkpoint
+    from megatron_lite.hf.configs import ConversionError
+
     hf_config = safetensors_files.read_hf_config(args.load_dir)
     family = configs.family_of_hf(hf_config)
     values = configs.model_values_from_hf(hf_config)
@@ -88,17 +91,18 @@ def hf_to_mlite(args) -> str:
     elif "tokenizer.model" in copied:
         config.data.tokenizer_type = "SentencePieceTokenizer"
         config.data.tokenizer_model = os.path.abspath(os.path.join(args.save_dir, "tokenizer.model"))
-    tensors = weights.to_megatron(family, hf, config.model, _layer_progress(f"converting {family}"))
-    print(f" writing {len(tensors)} tensors to {args.save_dir}", file=sys.stderr, flush=True)
-    path = write_model_checkpoint(args.save_dir, tensors, config, {"hf": {"model_type": family, "config": hf_config,
-                                                                          "source": os.path.abspath(args.load_dir)}})
+    shapes = weights.megatron_shapes(family, config.model)
+    print(f" writing {len(shapes)} tensors to {args.save_dir}", file=sys.stderr, flush=True)
+    parts = weights.stream_to_megatron(family, hf, config.model, _layer_progress(f"converting {family}"))
+    path = write_model_checkpoint(args.save_dir, parts, config, {"hf": {"model_type": family, "config": hf_config,
+                                                                        "source": os.path.abspath(args.load_dir)}})
     flags = model_flags(config.model)
     if config.data.tokenizer_model:
         flags.update(tokenizer_type=config.data.tokenizer_type, tokenizer_model=config.data.tokenizer_model)
     with open(os.path.join(args.save_dir, "model.yaml"), "w", encoding="utf-8") as f:
         yaml.safe_dump(flags, f, sort_keys=False)
     extras = f"; carried {', '.join(copied)}" if copied else ""
-    print(f"converted {family} ({sum(t.numel() for t in tensors.values()):,} parameters) to {path}{extras}\n"
+    print(f"converted {family} ({sum(math.prod(shape) for shape in shapes.values()):,} parameters) to {path}{extras}\n"
           f"train from it: pretrain_gpt.py --config {os.path.join(args.save_dir, 'model.yaml')} --load "
           f"{args.save_dir} --finetune --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} ...")
     return path
@@ -115,20 +119,28 @@ def _tokenizer_folders(path: str, config) -> list[str]:
 
 
 def mlite_to_hf(args) -> str:
+    from megatron_lite.hf import configs, safetensors_files, weights  # torch: once the flags are read
+    from megatron_lite.hf.checkpoint import ModelCheckpoint, config_from_metadata, resolve_checkpoint
+    from megatron_lite.hf.configs import ConversionError
+
     path = resolve_checkpoint(args.load_dir, args.iteration)
-    saved, tensors = read_model_checkpoint(path)
+    checkpoint = ModelCheckpoint(path)
+    saved = checkpoint.saved
     config = config_from_metadata(saved)
     m = config.model
     family = configs.family_of_model(m)
-    problems = weights.shape_problems({k: tuple(t.shape) for k, t in tensors.items()},
-                                      weights.megatron_shapes(family, m), path)
+    problems = weights.shape_problems(checkpoint.shapes(), weights.megatron_shapes(family, m), path)
     if problems:
         raise ConversionError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-    hf = weights.to_hf(family, tensors, m, _layer_progress(f"converting to {family}"))
+    hf = weights.to_hf(family, checkpoint.meta_tensors(), m)  # every HF name, shape and dtype, nothing read yet
     _empty_target(args.save_dir)
-    files = safetensors_files.write_hf_weights(
-        args.save_dir, hf, args.max_shard_size,
-        lambda files, total: tqdm(files, total=total, desc="writing safetensors", unit="file", file=sys.stderr))
+    with tqdm(total=len(safetensors_files.shard_plan(hf, args.max_shard_size)), desc="writing safetensors",
+              unit="file", file=sys.stderr) as bar, \
+            safetensors_files.ShardedWriter(args.save_dir, hf, args.max_shard_size, lambda _: bar.update()) as writer:
+        for part in weights.stream_to_hf(family, checkpoint.read, m, _layer_progress(f"converting to {family}")):
+            for name in list(part):
+                writer.write(name, part.pop(name))  # dropped once written: nothing is left when the next is read
+    files = writer.files
     copied = []
     for folder in _tokenizer_folders(path, config):
         copied += safetensors_files.copy_carried_files(folder, args.save_dir)
@@ -166,8 +178,8 @@ def build_parser() -> ToolParser:
 def shard_size(text: str) -> int:
     """--max-shard-size in bytes: a size such as 5GB (save_pretrained's max_shard_size), above zero."""
     try:
-        size = safetensors_files.parse_size(text)
-    except ConversionError as error:
+        size = parse_size(text)
+    except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     if size < 1:
         raise argparse.ArgumentTypeError(f"must be above 0 bytes, got {text}")

@@ -206,7 +206,7 @@ def commit(root: str, iteration: int, metadata: dict, keep_last_n: int | None = 
     if os.path.exists(final):  # the same iteration saved again: move the old one aside, never delete first
         os.replace(final, final + ".replaced")
     os.replace(temporary, final)
-    _fsync_directory(root)
+    fsync(root)
     _write_atomically(os.path.join(root, TRACKER_FILE), f"{iteration}\n")
     shutil.rmtree(final + ".replaced", ignore_errors=True)
     if keep_last_n:
@@ -221,7 +221,8 @@ def _remove(path: str) -> None:
     shutil.rmtree(path + ".deleting", ignore_errors=True)
 
 
-def _fsync_directory(path: str) -> None:
+def fsync(path: str) -> None:
+    """Flush a file's or directory's entries to the disk (a rename is durable once its directory is synced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,11 +1,15 @@
-"""The megatron_lite side of conversion: checkpoints that hold model weights only, written and read whole.
+"""The megatron_lite side of conversion: checkpoints that hold model weights only, written and read a part
+at a time.
 
 An imported model is written as an ordinary checkpoint (checkpoint/checkpointing.py): iteration 0 of
 `DIR/iter_0000000/`, a torch.distributed.checkpoint directory of global tensors under global names with
 the unpadded vocabulary, plus metadata.json. It has no optimizer or RNG state, so a training run starts
 from it with `--load DIR --finetune` (or `--no-load-optim`), in any layout: each rank reads its own boxes.
-Reading goes the other way for export and generation: the model tensors of any checkpoint, whole, in one
-process, and the configuration the run saved beside them.
+The tensors come in parts (a layer at a time), each written before the next is made
+(checkpoint_parts.py says how one DCP directory is written by several saves).
+Reading goes the other way for export and generation: `ModelCheckpoint` gives the names, shapes and dtypes
+of any checkpoint's model tensors from its index and reads the ones asked for, whole, in one process; the
+configuration the run saved comes from metadata.json beside them.
 """
 
 from __future__ import annotations
@@ -15,15 +19,19 @@ import datetime
 import os
 import platform
 import warnings
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_lite.checkpoint import checksums, directory
-from megatron_lite.checkpoint.checkpointing import FORMAT, read_checkpoint_tensors
-from megatron_lite.checkpoint.planner import ShardedSavePlanner, state_dict_of
+from megatron_lite.checkpoint.checkpointing import FORMAT
+from megatron_lite.checkpoint.planner import SafeFileSystemReader, ShardedLoadPlanner, state_dict_of
 from megatron_lite.checkpoint.sharded import ShardedTensor
 from megatron_lite.config import Config, ModelConfig
+from megatron_lite.flag_dependencies import acting_flags
+from megatron_lite.hf.checkpoint_parts import PartsWriter
 from megatron_lite.hf.configs import ConversionError
 from megatron_lite.model.sharding import load_global_tensors
 from megatron_lite.parallel.state import TensorSplit
@@ -34,19 +42,21 @@ CONVERTED_RNG_LAYOUT = "none (converted checkpoint)"  # never equals a run's lay
 _RUN_CHOICES = {"model_preset", "recompute_granularity", "recompute_num_layers", "attention_backend"}
 
 
-def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], config: Config, extra: dict) -> str:
-    """Commit `tensors` (global names, unpadded vocabulary) as iteration 0 of checkpoint directory `root`;
-    `extra` joins metadata.json (e.g. the source config.json). Returns the iteration directory."""
+def write_model_checkpoint(root: str, parts: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]],
+                           config: Config, extra: dict) -> str:
+    """Commit the tensors (global names, unpadded vocabulary) as iteration 0 of checkpoint directory `root`:
+    `parts` is one dict of them, or an iterable of dicts (e.g. a generator converting a layer at a time),
+    each written before the next is asked for. `extra` joins metadata.json (e.g. the source config.json).
+    Returns the iteration directory."""
     if directory.complete_iterations(root):
         raise ConversionError(f"{root} already holds a checkpoint; choose an empty --save-dir")
-    pieces = [ShardedTensor.whole(name, tensor.contiguous()) for name, tensor in tensors.items()]
-    directory.prepare(root, 0)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        # Several writer threads overlap serializing and writing: 1.8x faster for a 1.2B model on 2 cores.
-        writer = dcp.FileSystemWriter(directory.temporary_path(root, 0), thread_count=4)
-        dcp.save(state_dict_of(pieces), planner=ShardedSavePlanner(pieces), storage_writer=writer, no_dist=True)
-    written = directory.temporary_path(root, 0)
+    written = directory.prepare(root, 0)
+    writer = PartsWriter(written)
+    for part in [parts] if isinstance(parts, Mapping) else parts:
+        if part:
+            writer.save(dict(part))
+        del part  # the part's tensors go as soon as the generator lets go of them
+    writer.close()
     files = checksums.records_of(written, sorted(os.listdir(written)))  # verified when a run loads it
     p = config.parallel
     metadata = {"format": FORMAT, "iteration": 0, "consumed_samples": 0, "optimizer": {},
@@ -87,13 +97,46 @@ def config_from_metadata(saved: dict) -> Config:
     return config
 
 
+class ModelCheckpoint:
+    """The model tensors (no optimizer or RNG state) of iteration directory `path`: `saved` is its metadata.json,
+    `entries` the names, shapes and dtypes from DCP's index (no tensor is read for them), and `read(names)`
+    reads just the named tensors, whole."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.saved = directory.read_metadata(path)
+        stored = SafeFileSystemReader(path).read_metadata()
+        self.entries = {key: entry for key, entry in stored.state_dict_metadata.items()
+                        if key.startswith(MODEL_KEY_PREFIXES) and isinstance(entry, TensorStorageMetadata)}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: tuple(entry.size) for key, entry in self.entries.items()}
+
+    def meta_tensors(self) -> dict[str, torch.Tensor]:
+        """Each tensor as a meta tensor of its shape and dtype: what a conversion can plan with before reading."""
+        return {key: torch.empty(entry.size, dtype=entry.properties.dtype, device="meta")
+                for key, entry in self.entries.items()}
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, read whole in this process (DCP reads only their chunks)."""
+        names = list(names)
+        unknown = [name for name in names if name not in self.entries]
+        if unknown:
+            raise ConversionError(f"{self.path} holds no model tensor '{unknown[0]}'")
+        pieces = [ShardedTensor.whole(name, torch.empty(self.entries[name].size,
+                                                        dtype=self.entries[name].properties.dtype))
+                  for name in names]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state_dict_of(pieces), planner=ShardedLoadPlanner(pieces),
+                     storage_reader=SafeFileSystemReader(self.path), no_dist=True)
+        return {piece.key: piece.data for piece in pieces}
+
+
 def read_model_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """metadata.json and every model tensor (no optimizer or RNG state) of iteration directory `path`."""
-    saved = directory.read_metadata(path)
-    tensors = {}
-    for prefix in MODEL_KEY_PREFIXES:
-        tensors.update(read_checkpoint_tensors(path, prefix))
-    return saved, tensors
+    checkpoint = ModelCheckpoint(path)
+    return checkpoint.saved, checkpoint.read(checkpoint.entries)
 
 
 @torch.no_grad()
@@ -111,7 +154,7 @@ def load_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], sp
 
 
 def model_flags(m: ModelConfig) -> dict:
-    """pretrain_gpt.py model flags (YAML keys for --config) that rebuild this network."""
-    return {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
-            if f.name not in _RUN_CHOICES and getattr(m, f.name) is not None
-            and (m.num_experts or not f.name.startswith("moe_"))}
+    """pretrain_gpt.py model flags (YAML keys for --config) that rebuild this network: those that act in it (a
+    flag that would not, such as the MLA sizes of a Llama, is refused on the command line)."""
+    names = [f.name for f in dataclasses.fields(m) if f.name not in _RUN_CHOICES]
+    return {name: getattr(m, name) for name in acting_flags(Config(model=m), names)}

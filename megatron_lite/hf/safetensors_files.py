@@ -1,26 +1,27 @@
 """Hugging Face model directories on disk: (sharded) safetensors weights, config.json, tokenizer files.
 
-Reading is lazy: a tensor is read from its file when asked for, so converting holds the converted model
-plus one source tensor rather than two whole models. Writing follows `save_pretrained`: one
-`model.safetensors`, or above `max_shard_bytes` numbered shards and a `model.safetensors.index.json`
-that maps every tensor to its file. Only local directories are read; nothing is downloaded.
+Reading is lazy and unmapped: a tensor is read from its file when asked for, into memory of its own that
+is given back when the caller drops it (safetensors_format.py says why not safe_open's memory map), so a
+conversion holds what it is converting and nothing of the tensors before. Writing follows
+`save_pretrained`: one `model.safetensors`, or above `max_shard_bytes` numbered shards and a
+`model.safetensors.index.json` that maps every tensor to its file; `ShardedWriter` plans the files from the
+names, shapes and dtypes alone and takes the tensors one at a time, so no shard is ever held whole either.
+Only local directories are read; nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from megatron_lite.files import is_a, read_json_object
 from megatron_lite.hf.configs import ConversionError
+from megatron_lite.hf.safetensors_format import Entry, StreamedFile, read_header, read_tensor
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -42,7 +43,7 @@ def read_hf_config(folder: str) -> dict:
 
 
 class HFWeights(Mapping):
-    """The weights of a local HF model directory by name, read from disk on access.
+    """The weights of a local HF model directory by name, read from disk on access (each access a new tensor).
 
     `names` maps the names callers use to the names in the files (GPT-2 files from the Hub omit the
     `transformer.` prefix that save_pretrained writes)."""
@@ -62,20 +63,24 @@ class HFWeights(Mapping):
             if not os.path.isfile(file):
                 raise ConversionError(f"weights file {file} listed in {INDEX_NAME} is missing")
         self.names = {name: name for name in self.file_of}
-        self._handles = {}
+        self._headers: dict[str, dict[str, Entry]] = {}
 
-    def _handle(self, file: str):
-        if file not in self._handles:
-            self._handles[file] = _open_safetensors(file)
-        return self._handles[file]
+    def _entry(self, stored: str) -> Entry:
+        file = self.file_of[stored]
+        if file not in self._headers:
+            with _open_safetensors(file):  # safetensors' own check of the header; closed again at once
+                pass
+            self._headers[file] = read_header(file)
+        if stored not in self._headers[file]:
+            raise ConversionError(f"{INDEX_NAME} places '{stored}' in {file}, which does not hold it")
+        return self._headers[file][stored]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(self._handle(self.file_of[stored]).get_slice(stored).get_shape())
-                for name, stored in self.names.items()}
+        return {name: self._entry(stored).shape for name, stored in self.names.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         stored = self.names[name]
-        return self._handle(self.file_of[stored]).get_tensor(stored)
+        return read_tensor(self.file_of[stored], self._entry(stored))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -103,16 +108,6 @@ def _open_safetensors(file: str):
         raise ConversionError(f"weights file {file} is not a safetensors file ({error})") from None
 
 
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB' or a number of bytes -> bytes (save_pretrained's max_shard_size)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise ConversionError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or a number of bytes")
-    units = {"": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    return int(float(match.group(1)) * units[(match.group(2) or "").lower()])
-
-
 def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
     """Names in order, cut into files of at most `max_shard_bytes` (a bigger tensor gets a file of its own)."""
     shards, size = [[]], 0
@@ -126,31 +121,64 @@ def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[l
     return shards
 
 
-def write_hf_weights(folder: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int,
-                     progress=lambda jobs, total: jobs) -> list[str]:
-    """Write `tensors` as save_pretrained does; returns the files written. `progress(iterable, total)` wraps
-    the loop over finished files. Files are written by a few threads at once (safetensors releases the GIL
-    while it writes: about 2x faster than one at a time for a 1.2B model here)."""
-    shards = shard_plan(tensors, max_shard_bytes)
-    names = [WEIGHTS_NAME] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                                    for i in range(len(shards))]
+def shard_names(count: int) -> list[str]:
+    """save_pretrained's file names for `count` shards (one file is plain model.safetensors)."""
+    return [WEIGHTS_NAME] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
-    def write(file: str, shard: list[str]) -> None:
-        save_file({name: tensors[name].contiguous() for name in shard}, os.path.join(folder, file),
-                  metadata={"format": "pt"})
 
-    with ThreadPoolExecutor(max_workers=min(4, len(shards))) as pool:
-        jobs = [pool.submit(write, file, shard) for file, shard in zip(names, shards)]
-        for job in progress(as_completed(jobs), len(jobs)):
-            job.result()
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: file for file, shard in zip(names, shards) for name in shard}}
-        with open(os.path.join(folder, INDEX_NAME), "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2)
-        names.append(INDEX_NAME)
-    return names
+class ShardedWriter:
+    """save_pretrained's files for tensors that come one at a time, in any order. `layout` names every tensor
+    in order with its shape and dtype (meta tensors will do), so the shards (`shard_plan`) and their headers
+    are fixed before the first tensor; each file is closed, and `on_file(name)` told, as soon as its last
+    tensor is in. Use it as a context manager: leaving it writes the index, or on an error closes what is
+    open."""
+
+    def __init__(self, folder: str, layout: dict[str, torch.Tensor], max_shard_bytes: int,
+                 on_file: Callable[[str], None] = lambda name: None):
+        self.folder, self.layout, self.on_file = folder, layout, on_file
+        shards = shard_plan(layout, max_shard_bytes)
+        self.files = shard_names(len(shards))
+        self.file_of = {name: file for file, shard in zip(self.files, shards) for name in shard}
+        self._shards = dict(zip(self.files, shards))
+        self._open: dict[str, StreamedFile] = {}
+        self._done: set[str] = set()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.file_of:
+            raise ConversionError(f"'{name}' is not among the tensors planned for {self.folder}")
+        file = self.file_of[name]
+        if file in self._done:
+            raise ConversionError(f"'{name}' was written to {file} twice")
+        if file not in self._open:
+            self._open[file] = StreamedFile(os.path.join(self.folder, file),
+                                            {n: self.layout[n] for n in self._shards[file]}, {"format": "pt"})
+        streamed = self._open[file]
+        streamed.write(name, tensor)
+        if streamed.complete:
+            streamed.close()
+            del self._open[file]
+            self._done.add(file)
+            self.on_file(file)
+
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        for streamed in self._open.values():
+            streamed.close()
+        if kind is None:
+            self._finish()
+
+    def _finish(self) -> None:
+        missing = [file for file in self.files if file not in self._done]
+        if missing:
+            raise ConversionError(f"{os.path.join(self.folder, missing[0])} never received all of its tensors")
+        if len(self.files) > 1:
+            total = sum(t.numel() * t.element_size() for t in self.layout.values())
+            index = {"metadata": {"total_size": total}, "weight_map": dict(self.file_of)}
+            with open(os.path.join(self.folder, INDEX_NAME), "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+            self.files = [*self.files, INDEX_NAME]
 
 
 def write_hf_config(folder: str, config: dict) -> None:

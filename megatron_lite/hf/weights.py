@@ -5,6 +5,12 @@ unpadded vocabulary, which is what a checkpoint stores, so the result loads into
 Import joins each rule's HF tensors into ours, export splits ours into HF's, and the expected HF shapes
 (`hf_shapes`) come from the same rules, so a file that does not match its configuration is reported before
 anything is converted. RoPE needs no permutation: ours is HF's "rotate half" layout (model/attention.py).
+
+The rules come grouped into `units`, what a streamed conversion holds at once: each tensor before or after
+the layers alone, each decoder layer, each multi-token prediction module. `stream_to_megatron` and
+`stream_to_hf` convert a unit at a time, reading its tensors when it comes and yielding its result, so memory
+stays at about a layer (or the vocabulary table) whatever the depth; `to_megatron` and `to_hf` are the same
+conversions with everything in memory.
 """
 
 from __future__ import annotations
@@ -34,26 +40,37 @@ def normalize_hf_names(family: str, names) -> dict[str, str]:
     return {name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}": name for name in names}
 
 
-def _expanded(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[tuple[Rule, dict]]:
-    """Every rule of the family's table with the values of its placeholders, in checkpoint order; `layers`
+Unit = list[tuple[Rule, dict]]
+
+
+def units(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[Unit]:
+    """Every rule of the family's table with the values of its placeholders, in checkpoint order, in the units
+    a streamed conversion takes at once: each rule before and after the layers alone (a vocabulary table is
+    the biggest tensor of most models), each decoder layer, each multi-token prediction module. `layers`
     wraps the loop over layer indices (a progress bar)."""
     table = NAME_TABLES[family](m)
     moe = moe_layer_pattern(m) if table.dense_layer is not None else [True] * m.num_layers
+
+    def expand(rules: list[Rule], values: dict) -> Unit:
+        return [(rule, {**values, "expert": expert}) for rule in rules
+                for expert in (range(m.num_experts) if "{expert}" in rule.ours else (None,))]
+
     for rule in table.head:
-        yield rule, {}
+        yield [(rule, {})]
     for layer in layers(range(m.num_layers)):
-        for rule in table.layer if moe[layer] else table.dense_layer:
-            experts = range(m.num_experts) if "{expert}" in rule.ours else (None,)
-            for expert in experts:
-                yield rule, {"layer": layer, "expert": expert}
+        yield expand(table.layer if moe[layer] else table.dense_layer, {"layer": layer})
     for depth in range(m.mtp_num_layers or 0):
         layer = m.num_layers + depth  # where the module is stored, and the global number of its layer
-        for rule in _mtp_rules(table, is_moe_layer(m, layer) or table.dense_layer is None):
-            experts = range(m.num_experts) if "{expert}" in rule.ours else (None,)
-            for expert in experts:
-                yield rule, {"layer": layer, "depth": depth, "expert": expert}
+        yield expand(_mtp_rules(table, is_moe_layer(m, layer) or table.dense_layer is None),
+                     {"layer": layer, "depth": depth})
     for rule in table.tail:
-        yield rule, {}
+        yield [(rule, {})]
+
+
+def _expanded(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[tuple[Rule, dict]]:
+    """Every rule with the values of its placeholders, in checkpoint order (the units, one after another)."""
+    for unit in units(family, m, layers):
+        yield from unit
 
 
 def _mtp_rules(table: NameTable, moe: bool) -> list[Rule]:
@@ -104,22 +121,63 @@ def shape_problems(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[
     return problems
 
 
-def to_megatron(family: str, hf, m: ModelConfig, layers: Callable = iter) -> dict[str, torch.Tensor]:
-    """HF weights (a mapping by canonical name) -> global megatron_lite tensors. `layers` wraps the loop over
-    layer indices (a progress bar)."""
+def stream_to_megatron(family: str, hf, m: ModelConfig, layers: Callable = iter) -> Iterator[dict[str, torch.Tensor]]:
+    """HF weights (a mapping by canonical name, read on access) -> global megatron_lite tensors, one dict per
+    unit. Each rule's HF tensors are read, joined and dropped before the next rule's, so making a unit holds
+    its own tensors and one rule's sources, and nothing of the units before once the caller drops them.
+    `layers` wraps the loop over layer indices (a progress bar)."""
+    made: dict[str, tuple[Rule, list[str]]] = {}  # our name -> the rule and HF names that made it first
+    for unit in units(family, m, layers):
+        yield _join_unit(unit, hf, m, made)  # not bound to a name here: the caller's drop frees the unit
+
+
+def _join_unit(unit: Unit, hf, m: ModelConfig, made: dict) -> dict[str, torch.Tensor]:
     out = {}
-    for rule, values in _expanded(family, m, layers):
+    for rule, values in unit:
         ours, theirs = _names(rule, values)
         tensor = rule.transform.join([hf[name] for name in theirs], m)
-        if ours in out and not (tensor.is_meta or torch.equal(out[ours], tensor)):  # a module's copy of a table
-            raise ConversionError(f"'{theirs[0]}' differs from the tensor it copies ({ours} in ours): the "
-                                  f"multi-token prediction module shares the model's embedding and output layer")
+        if ours in made:  # a module's copy of a table made before: checked against it, stored once
+            first, first_theirs = made[ours]
+            if not (tensor.is_meta or torch.equal(first.transform.join([hf[n] for n in first_theirs], m), tensor)):
+                raise ConversionError(f"'{theirs[0]}' differs from the tensor it copies ({ours} in ours): the "
+                                      f"multi-token prediction module shares the model's embedding and output layer")
+            continue
+        made[ours] = (rule, theirs)
         out[ours] = tensor
     return out
 
 
+def to_megatron(family: str, hf, m: ModelConfig, layers: Callable = iter) -> dict[str, torch.Tensor]:
+    """HF weights (a mapping by canonical name) -> global megatron_lite tensors, all at once. `layers` wraps the
+    loop over layer indices (a progress bar)."""
+    out = {}
+    for part in stream_to_megatron(family, hf, m, layers):
+        out.update(part)
+    return out
+
+
+def stream_to_hf(family: str, read: Callable[[list[str]], dict[str, torch.Tensor]], m: ModelConfig,
+                 layers: Callable = iter) -> Iterator[dict[str, torch.Tensor]]:
+    """Global megatron_lite tensors -> HF weights under save_pretrained's names (any vocabulary padding dropped),
+    one dict per unit, in `to_hf`'s order. `read(names)` gives the named tensors of ours (a checkpoint reads
+    them then); a unit's HF tensors are views of them where the split allows, and go with the unit."""
+    for unit in units(family, m, layers):
+        yield _split_unit(unit, read, m)  # not bound to a name here: the caller's drop frees the unit
+
+
+def _split_unit(unit: Unit, read: Callable, m: ModelConfig) -> dict[str, torch.Tensor]:
+    named = [(rule, *_names(rule, values)) for rule, values in unit]
+    tensors = read(list(dict.fromkeys(ours for _, ours, _ in named)))
+    out = {}
+    for rule, ours, theirs in named:
+        out.update(zip(theirs, rule.transform.split(tensors[ours], m), strict=True))
+    return out
+
+
 def to_hf(family: str, tensors: dict, m: ModelConfig, layers: Callable = iter) -> dict[str, torch.Tensor]:
-    """Global megatron_lite tensors -> HF weights under save_pretrained's names (any vocabulary padding dropped)."""
+    """Global megatron_lite tensors -> HF weights under save_pretrained's names (any vocabulary padding dropped),
+    all at once; a multi-token prediction module's copies of a table are copies (save_file refuses tensors
+    that share memory)."""
     out, exported = {}, set()
     for rule, values in _expanded(family, m, layers):
         ours, theirs = _names(rule, values)
