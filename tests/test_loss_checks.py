@@ -71,28 +71,27 @@ def test_a_non_finite_loss_of_any_kind_stops_the_run_named_with_nothing_after_it
     assert directory.latest_iteration(str(save)) == 2
 
 
-def test_every_loss_of_the_model_is_judged_each_iteration(monkeypatch):
-    judged = []
+@pytest.fixture
+def judged(monkeypatch) -> list[list[str]]:
+    """The names of the losses each judgement of an iteration's result saw, in order."""
+    seen = []
     original = RerunStateMachine.should_rerun
 
     def recording(self, result, *args):
-        judged.append(list(result.losses))
+        seen.append(list(result.losses))
         return original(self, result, *args)
     monkeypatch.setattr(RerunStateMachine, "should_rerun", recording)
+    return seen
+
+
+def test_every_loss_of_the_model_is_judged_each_iteration(judged):
     history = pretrain(make_config({**MOE_MTP, "train_iters": 2}), pretrain_gpt.model_provider,
                        pretrain_gpt.forward_step)
     assert judged == [ALL_LOSSES, ALL_LOSSES]
     assert all(math.isfinite(h["mtp_loss"]) for h in history)
 
 
-def test_an_auxiliary_loss_that_does_not_enter_the_backward_is_not_judged(monkeypatch):
-    judged = []
-    original = RerunStateMachine.should_rerun
-
-    def recording(self, result, *args):
-        judged.append(list(result.losses))
-        return original(self, result, *args)
-    monkeypatch.setattr(RerunStateMachine, "should_rerun", recording)
+def test_an_auxiliary_loss_that_does_not_enter_the_backward_is_not_judged(judged):
     pretrain(make_config({**MOE_MTP, "train_iters": 1, "moe_z_loss_coeff": 0.0, "mtp_num_layers": None}),
              pretrain_gpt.model_provider, pretrain_gpt.forward_step)
     assert judged == [["lm loss", "moe aux loss"]]
