@@ -226,8 +226,8 @@ def acting_flags(config: Config, names: Iterable[str]) -> list[str]:
     """The flags among `names` that act in `config`: set to something, and every condition of theirs holding (what
     a configuration file written from `config` should name, so that it reads back without a refusal)."""
     settings = _settings(config)
-    return [name for name in names if name in given_flags({name: settings[name]})
-            and all(rule.holds(settings) for rule in RULES.get(name, ()))]
+    given = given_flags({name: settings[name] for name in names})
+    return [name for name in names if name in given and all(rule.holds(settings) for rule in RULES.get(name, ()))]
 
 
 def dependency_problems(config: Config, given: Iterable[str]) -> list[str]:
