@@ -9,7 +9,7 @@ In one run, on one device:
      attention kernel;
   3. peers: the same model as transformers' `LlamaForCausalLM` (bf16 weights, SDPA, fused AdamW, the same
      micro-batches and clipping), eager and compiled with torch.compile.
-MFU for every entry uses one formula, `logging.training_flops_per_token` (PaLM's 6 N + 12 L h s per token,
+MFU for every entry uses one formula, `model/flops.py`'s `training_flops_per_token` (PaLM's 6 N + 12 L h s per token,
 N the matmul weights including the output layer), over the device's dense bf16 peak. Figures are medians
 over the iterations after the warm-up. On a GPU the figures are appended, with date, device and command,
 to gpu_step.jsonl in the results folder (benchmarks/results/, or $BENCHMARK_RESULTS_DIR: on a borrowed
@@ -34,7 +34,8 @@ import torch
 import pretrain_gpt
 from benchmarks.results_file import record_result
 from megatron_lite.arguments import make_config
-from megatron_lite.logging import device_peak_tflops, training_flops_per_token
+from megatron_lite.logging import device_peak_tflops
+from megatron_lite.model.flops import training_flops_per_token
 from megatron_lite.training import pretrain
 
 LLAMA_1B = {"num_layers": 16, "hidden_size": 2048, "ffn_hidden_size": 8192, "num_attention_heads": 32,

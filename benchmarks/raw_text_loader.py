@@ -10,7 +10,7 @@ process, as build_data_iterator reads it; its rate is tokens delivered per wall 
 start-up included, beside the worker's own rate (tokens per second it spent reading and tokenizing, what
 the training log line reports) and the rate with no worker (--num-workers 0: reading, tokenizing and packing
 in the main process, the loader's whole path on one core, which no second process competes with). The
-tokens per second a run consumes are peak x MFU / training_flops_per_token (megatron_lite/logging.py). On a
+tokens per second a run consumes are peak x MFU / training_flops_per_token (megatron_lite/model/flops.py). On a
 shared machine every rate falls with its load, which varies within seconds: they are measured in turn
 --repeats times and the best of each kept, and the load averages before and after are recorded.
 
@@ -35,7 +35,8 @@ from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.data.raw_text import RawTextDataset  # noqa: E402
 from megatron_lite.data.raw_text_sources import list_chunks  # noqa: E402
 from megatron_lite.data.raw_text_stream import TokenizerSpec  # noqa: E402
-from megatron_lite.logging import peak_tflops_of, training_flops_per_token  # noqa: E402
+from megatron_lite.logging import peak_tflops_of  # noqa: E402
+from megatron_lite.model.flops import training_flops_per_token  # noqa: E402
 from megatron_lite.presets import MODEL_PRESETS  # noqa: E402
 
 SEQ_LENGTH, MFU = 8192, 0.5

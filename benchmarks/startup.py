@@ -139,7 +139,7 @@ def _built(case: dict, layers_per_stage: int, skip_draw: bool) -> dict:
     import pretrain_gpt
     from megatron_lite.arguments import make_config
     from megatron_lite.model import sharding
-    from megatron_lite.optim.distributed_optimizer import build_optimizer
+    from megatron_lite.optim.builder import build_optimizer
     from megatron_lite.optim.param_and_grad_buffer import storage_bytes
     from megatron_lite.parallel.state import Layout
     from megatron_lite.pipeline.layer_split import pipeline_stage_layers

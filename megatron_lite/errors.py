@@ -16,6 +16,10 @@ class UserError(Exception):
     """A problem in the user's input; the message is one line saying what to change."""
 
 
+class ConfigError(UserError, ValueError):
+    """A configuration problem; the message is one line per problem, each saying what to change."""
+
+
 class DataError(UserError, ValueError):
     """A dataset (or tokenizer file) does not hold what it claims; the message names the file."""
 

@@ -1,4 +1,4 @@
-"""Reading the small side files a run or a tool depends on, with one line for whatever is wrong with them.
+"""The small side files a run or a tool reads, and the places it writes, with one line for what is wrong.
 
 A tracker, a metadata.json, a tokenizer_config.json or a --data-args-path file can be missing, a directory,
 unreadable, binary, empty, cut short or of the wrong shape. Each reader here turns every one of those into
@@ -9,6 +9,11 @@ the file and says what is wrong, instead of a traceback from inside `json` or a 
 from __future__ import annotations
 
 import json
+import os
+import socket
+from typing import NamedTuple
+
+from megatron_lite.errors import UserError
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
                dict: "an object", type(None): "null"}
@@ -90,3 +95,62 @@ def check_fields(record: dict, required: dict, optional: dict, where: str, error
             expected = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
             raise error(f"{where}: '{key}' is {type_name(record[key])} {json.dumps(record[key])[:40]}, "
                         f"expected {expected}")
+
+
+class OutputPathError(UserError, OSError):
+    """A location the run would write cannot be written; the message names the flag, the path and the host."""
+
+
+class Location(NamedTuple):
+    flag: str
+    path: str
+    is_file: bool  # a file the run creates or appends to; else a directory it writes files into
+
+
+def unwritable(location: Location) -> str | None:
+    """Why this process cannot write `location` (its directories are made if missing), or None."""
+    why = why_unwritable(location.path, location.is_file, create=True)
+    if why is None:
+        return None
+    return f"{location.flag} {location.path} cannot be written on {socket.gethostname()}: {why}"
+
+
+def why_unwritable(path: str, is_file: bool, create: bool = False) -> str | None:
+    """What keeps this process from writing `path` (a file, or a directory to write files into), or None.
+    With `create`, missing directories are made and a probe file written and removed; without, nothing is
+    made: the nearest existing directory must accept new entries (for a tool that checks before working)."""
+    directory = os.path.dirname(os.path.abspath(path)) if is_file else path
+    if is_file and os.path.isdir(path):
+        return "it is a directory; name a file"
+    if not is_file and os.path.exists(path) and not os.path.isdir(path):
+        return "it is a file; name a directory"
+    blocking = _file_on_the_way(directory)
+    if blocking is not None:
+        return f"{blocking} is a file, not a directory"
+    if is_file and os.path.exists(path) and not os.access(path, os.W_OK):
+        return "the file is read-only"
+    if not create:
+        nearest = _nearest_existing(directory)
+        return None if os.access(nearest, os.W_OK | os.X_OK) else f"{nearest} does not accept new files"
+    probe = os.path.join(directory, f".write_probe.{socket.gethostname()}.{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("probe\n")
+        os.remove(probe)
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _file_on_the_way(directory: str) -> str | None:
+    """The existing non-directory among `directory` and its parents, if any: no directory can be made there."""
+    nearest = _nearest_existing(directory)
+    return None if os.path.isdir(nearest) else nearest

@@ -1,7 +1,7 @@
 """What a run reports: one console line per interval, a JSON line per iteration, TensorBoard and W&B.
 
 Throughput is measured on the logging rank (the last rank, which holds the loss) from wall time per
-iteration; model FLOPs come from the formula in `training_flops_per_token`, MFU from the device's
+iteration; model FLOPs come from the formula in model/flops.py, MFU from the device's
 peak (a table of common GPUs, or --peak-tflops). TensorBoard and W&B receive the scalars of the JSONL
 records under the same names.
 """
@@ -17,11 +17,10 @@ import time
 import torch
 
 from megatron_lite.checkpoint.directory import checkpoint_path
-from megatron_lite.config import Config, LoggingConfig, ModelConfig
+from megatron_lite.config import Config, LoggingConfig
 from megatron_lite.errors import UserError
 from megatron_lite.files import read_text
-from megatron_lite.model.mla import mla_projection_weights
-from megatron_lite.model.moe import moe_layer_numbers
+from megatron_lite.model.flops import training_flops_per_token
 from megatron_lite.timers import PhaseTimers
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, without sparsity), matched against
@@ -29,42 +28,6 @@ from megatron_lite.timers import PhaseTimers
 PEAK_TFLOPS = (("H200 NVL", 835.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
                ("A100", 312.0), ("A10G", 125.0), ("L40S", 362.0), ("L4", 121.0),
                ("A6000", 155.0), ("V100", 125.0), ("4090", 165.0), ("3090", 71.0), ("MI300X", 1307.0))
-
-
-def training_flops_per_token(config: ModelConfig) -> float:
-    """Model FLOPs to train on one token, counting matrix multiplies only (as PaLM's MFU, appendix B).
-
-    Forward: 2 FLOPs per weight of every linear layer (QKV, attention output, MLP or the top-k experts a
-    token visits and the shared expert, output layer) plus the attention scores and weighted sum,
-    2 * 2 * seq * hidden per layer (the full square, as Megatron counts it; heads x head size stands for
-    hidden where --kv-channels sets another head size; with multi-latent attention its projections, and
-    2 * seq * heads * (query-key + value head dims)); each multi-token prediction depth adds its 2h -> h
-    projection, a layer (with the last decoder layer's kind of MLP) and the output layer. Backward costs twice
-    the forward. Activation recomputation is not counted: it is work the hardware does, not work the model
-    needs, so MFU stays comparable between runs with and without it.
-    """
-    h, s, L = config.hidden_size, config.seq_length, config.num_layers
-    q, kv = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
-    attention_weights = h * q + 2 * h * kv + q * h
-    attention_square = 4 * s * q
-    if config.multi_latent_attention:
-        attention_weights = mla_projection_weights(config)
-        q_dims = config.qk_head_dim + config.qk_pos_emb_head_dim
-        attention_square = 2 * s * config.num_attention_heads * (q_dims + config.v_head_dim)
-    mlp_matrices = 3 if config.swiglu else 2
-    dense_mlp = mlp_matrices * h * config.ffn_hidden_size
-    moe_mlp = 0
-    if config.num_experts:
-        moe_mlp = config.moe_router_topk * mlp_matrices * h * config.moe_ffn_hidden_size + h * config.num_experts
-        if config.moe_shared_expert_intermediate_size:  # and its gate
-            moe_mlp += mlp_matrices * h * config.moe_shared_expert_intermediate_size + h * config.moe_shared_expert_gate
-    mlp_of = {number: moe_mlp for number in moe_layer_numbers(config)}  # MoE layers, MTP layers included
-    mlp_weights = sum(mlp_of.get(number, dense_mlp) for number in range(L))
-    forward = 2 * (L * attention_weights + mlp_weights + h * config.vocab_size) + L * attention_square
-    for number in range(L, L + (config.mtp_num_layers or 0)):
-        forward += 2 * (2 * h * h + attention_weights + mlp_of.get(number, dense_mlp) + h * config.vocab_size)
-        forward += attention_square
-    return forward * 3
 
 
 def device_peak_tflops(device: torch.device, override: float | None) -> float | None:

@@ -12,6 +12,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from megatron_lite.files import why_unwritable
+
 
 class ToolParser(argparse.ArgumentParser):
     """argparse with every error on one line, `PROG: error: MESSAGE (see PROG --help)`, and exit status 2."""
@@ -58,8 +60,6 @@ def _output(is_file: bool, suffix: str = "") -> Callable[[str], str]:
     """An argparse type for a place the tool will write (`text + suffix`): refused at once, before any work,
     when it cannot be (under a regular file, a directory where a file is meant or the reverse, read-only)."""
     def parse(text: str) -> str:
-        from megatron_lite.output_paths import why_unwritable
-
         why = why_unwritable(text + suffix, is_file)
         if why is not None:
             raise argparse.ArgumentTypeError(f"{text} cannot be written: {why}")

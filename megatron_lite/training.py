@@ -20,12 +20,13 @@ from megatron_lite.config import Config
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
+from megatron_lite.errors import ConfigError
 from megatron_lite.logging import TrainingLogger
 from megatron_lite.model.moe import moe_metrics, moe_step_losses, update_expert_biases
 from megatron_lite.model.mtp import mtp_loss_totals, mtp_metrics
 from megatron_lite.model.sharding import initialization_skipped
+from megatron_lite.optim.builder import build_optimizer
 from megatron_lite.optim.data_parallel import DistributedDataParallel
-from megatron_lite.optim.distributed_optimizer import build_optimizer
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
@@ -45,7 +46,6 @@ from megatron_lite.rerun_state_machine import (
     rank_fingerprint,
 )
 from megatron_lite.timers import PhaseTimers
-from megatron_lite.validation import ConfigError
 
 
 def resolve_device(requested: str) -> torch.device:

@@ -11,7 +11,7 @@ import importlib.util
 import math
 from typing import TYPE_CHECKING
 
-from megatron_lite.errors import UserError
+from megatron_lite.errors import ConfigError
 from megatron_lite.flag_dependencies import dependency_problems
 from megatron_lite.model.fp8_validation import fp8_problems
 from megatron_lite.model.layer_pattern import moe_layer_pattern
@@ -26,10 +26,6 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from megatron_lite.config import Config
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem; the message is one line per problem, each saying what to change."""
 
 
 def validate(config: Config, world_size: int, given: Iterable[str] = ()) -> None:

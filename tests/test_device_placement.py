@@ -28,7 +28,7 @@ import pretrain_gpt
 from megatron_lite import training
 from megatron_lite.arguments import make_config
 from megatron_lite.logging import TrainingLogger
-from megatron_lite.optim.distributed_optimizer import build_optimizer
+from megatron_lite.optim.builder import build_optimizer
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
 

@@ -76,7 +76,8 @@ def test_profiled_ranks_record_and_dump_megatrons_file_names_beside_the_planners
 
 
 def test_the_snapshot_path_is_probed_at_start_up_on_the_profiled_ranks(tmp_path):
-    from megatron_lite.output_paths import Location, written_locations
+    from megatron_lite.files import Location
+    from megatron_lite.output_paths import written_locations
 
     config = make_config({**TINY, "record_memory_history": True, "memory_snapshot_path": str(tmp_path / "m.pickle")})
     assert Location("--memory-snapshot-path", str(tmp_path / "m_0.pickle"), True) in written_locations(config, 0, 1)

@@ -16,13 +16,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_lite.arguments import make_config
-from megatron_lite.logging import training_flops_per_token
+from megatron_lite.errors import ConfigError
 from megatron_lite.model.attention import rotary_embedding
+from megatron_lite.model.flops import training_flops_per_token
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.yarn import YarnScaling
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.planning.activation_memory import latent_attention_bytes
-from megatron_lite.validation import ConfigError
 from tests.harness import run_on_ranks
 from tests.helpers import SMALL, TINY_2_LAYERS, forward_backward, reference, train_and_collect
 from tests.helpers import assert_run_matches as assert_training_matches

@@ -256,7 +256,7 @@ def test_the_planner_counts_the_parameters_each_stage_builds(values, pp):
 def test_model_flops_count_the_mtp_depths_as_torch_counts_them():
     from torch.utils.flop_counter import FlopCounterMode
 
-    from megatron_lite.logging import training_flops_per_token
+    from megatron_lite.model.flops import training_flops_per_token
 
     config, model = one_process_model({**LLAMA, "make_vocab_size_divisible_by": 1})
     m = config.model

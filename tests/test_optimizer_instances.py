@@ -18,13 +18,13 @@ import torch.distributed as dist
 
 from megatron_lite.arguments import make_config
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
+from megatron_lite.errors import ConfigError
 from megatron_lite.model.sharding import FlatShard, unshard
 from megatron_lite.parallel.state import Layout, group_ranks
 from megatron_lite.planning.layouts import candidate_flags, plan_layout
 from megatron_lite.planning.report import plan_lines
 from megatron_lite.planning.state_memory import stage_state_bytes
 from megatron_lite.planning.step_time import Hardware
-from megatron_lite.validation import ConfigError
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_2_LAYERS, gather_pieces, gathered_weights, train_steps, train_with_state
 from tests.test_checkpoint_reshard import first_half, second_half, uninterrupted

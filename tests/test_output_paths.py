@@ -12,7 +12,7 @@ import pytest
 import pretrain_gpt
 from megatron_lite.arguments import make_config
 from megatron_lite.errors import UserError
-from megatron_lite.output_paths import OutputPathError
+from megatron_lite.files import OutputPathError
 from megatron_lite.parallel import lifecycle
 from megatron_lite.training import pretrain
 from tests.test_cli_errors import fails_on_every_rank_with_one_line

@@ -21,6 +21,7 @@ import torch
 
 import pretrain_gpt
 from megatron_lite.arguments import make_config
+from megatron_lite.errors import ConfigError
 from megatron_lite.model.moe import MoELayer
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.pipeline.layer_split import model_chunk_plans
@@ -29,7 +30,6 @@ from megatron_lite.planning.layouts import candidate_flags, enumerate_plans, pla
 from megatron_lite.planning.report import plan_record
 from megatron_lite.planning.state_memory import stage_state_bytes
 from megatron_lite.planning.step_time import Hardware, data_parallel_bytes, predict_step_time
-from megatron_lite.validation import ConfigError
 from tests.harness import run_on_ranks
 from tests.test_plan_layout import LLAMA, built_and_planned
 from tools import plan_layout as plan_layout_tool

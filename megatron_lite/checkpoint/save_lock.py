@@ -21,7 +21,7 @@ import os
 import socket
 import weakref
 
-from megatron_lite import output_paths
+from megatron_lite import files
 
 LOCK_FILE = "run.lock"
 _held_locks: set[weakref.finalize] = set()  # the unlock finalizers of the locks this process holds
@@ -43,7 +43,7 @@ os.register_at_fork(after_in_child=_close_inherited_locks)
 
 def unwritable(root: str) -> str | None:
     """Why this process cannot create files in `root` (made if missing), or None when it can."""
-    return output_paths.unwritable(output_paths.Location("--save", root, is_file=False))
+    return files.unwritable(files.Location("--save", root, is_file=False))
 
 
 class SaveLock:

@@ -13,7 +13,7 @@ The builder caches the result, so one process pays this once per blend.
 
 import numpy as np
 
-from megatron_lite.validation import ConfigError
+from megatron_lite.errors import ConfigError
 
 _PYTHON_LOOP_MAX_DATASETS = 32  # beyond this the numpy argmax per sample is the faster
 

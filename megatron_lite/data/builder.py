@@ -27,7 +27,7 @@ from megatron_lite.data.index_cache import default_cache_dir, load_or_build
 from megatron_lite.data.indexed_dataset import IndexedDataset, bin_path
 from megatron_lite.errors import DataError
 from megatron_lite.files import read_text
-from megatron_lite.validation import ConfigError
+from megatron_lite.errors import ConfigError
 
 SPLIT_NAMES = ("train", "valid", "test")
 MID_LEVEL_DATASET_SURPLUS = 0.005  # Megatron's default: each component of a weighted blend is built 0.5% larger

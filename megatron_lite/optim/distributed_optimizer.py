@@ -47,11 +47,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.config import Config
 from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.optim.param_and_grad_buffer import OwnedRange
-from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.parallel.state import ParallelState
 
 
@@ -74,17 +72,3 @@ class DistributedOptimizer(Optimizer):
     def _sync_params(self) -> None:
         for chunk in self.model_chunks:
             chunk.start_param_sync()
-
-
-def build_optimizer(config: Config, model_chunks: list[DistributedDataParallel], pstate: ParallelState) -> Optimizer:
-    """The optimizer (--optimizer) for the run's data-parallel sharding strategy."""
-    sharded = ZeroStage(config.parallel.data_parallel_sharding_strategy).shards_optimizer_state
-    if config.optimizer.optimizer == "muon":
-        from megatron_lite.optim.muon_optimizer import build_muon_optimizer  # it builds on the classes above
-
-        return build_muon_optimizer(config, model_chunks, pstate, sharded)
-    if not sharded:
-        named = [(name, p) for chunk in model_chunks for name, p in chunk.module.named_global_parameters()
-                 if p.requires_grad]
-        return Optimizer(named, config.optimizer, pstate)
-    return DistributedOptimizer(model_chunks, config.optimizer, pstate)

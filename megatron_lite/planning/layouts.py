@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from megatron_lite.arguments import make_config, with_preset
 from megatron_lite.config import Config, ModelConfig
+from megatron_lite.errors import ConfigError
 from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.planning.activation_memory import ActivationBytes, stage_activation_bytes
 from megatron_lite.planning.shared_cache import shared_results
@@ -36,7 +37,6 @@ from megatron_lite.planning.step_time import (
     data_parallel_bytes,
     predict_step_time,
 )
-from megatron_lite.validation import ConfigError
 
 STRATEGIES = tuple(stage.value for stage in ZeroStage)
 RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},

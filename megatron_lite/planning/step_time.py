@@ -3,7 +3,7 @@
 Nothing overlaps in this model (an upper bound where --overlap-grad-reduce / --overlap-param-gather
 hide communication). Per rank and step, with m micro-batches of t local tokens:
 
-  compute     model FLOPs (logging.training_flops_per_token, matrix multiplies) of the rank's share of the
+  compute     model FLOPs (model/flops.py, matrix multiplies) of the rank's share of the
               global batch, plus the forward again for fully recomputed layers, at `tflops`
   bubble      compute x (P - 1) / m for 1F1B and GPipe, (P - 1) / (v m) interleaved, a third of 1F1B's for
               ZB-H1 (its weight-gradient passes fill two thirds of the idle time)
@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from megatron_lite.config import Config
-from megatron_lite.logging import training_flops_per_token
+from megatron_lite.model.flops import training_flops_per_token
 from megatron_lite.model.layer_pattern import moe_layer_pattern
 from megatron_lite.planning.activation_memory import expert_region_tokens
 from megatron_lite.planning.param_shapes import expert_tensor_parallel_size

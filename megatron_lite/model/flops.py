@@ -1,0 +1,43 @@
+"""The model FLOPs of one trained token: the numerator of MFU, shared by the training log and the planner."""
+
+from __future__ import annotations
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.mla import mla_projection_weights
+from megatron_lite.model.moe import moe_layer_numbers
+
+
+def training_flops_per_token(config: ModelConfig) -> float:
+    """Model FLOPs to train on one token, counting matrix multiplies only (as PaLM's MFU, appendix B).
+
+    Forward: 2 FLOPs per weight of every linear layer (QKV, attention output, MLP or the top-k experts a
+    token visits and the shared expert, output layer) plus the attention scores and weighted sum,
+    2 * 2 * seq * hidden per layer (the full square, as Megatron counts it; heads x head size stands for
+    hidden where --kv-channels sets another head size; with multi-latent attention its projections, and
+    2 * seq * heads * (query-key + value head dims)); each multi-token prediction depth adds its 2h -> h
+    projection, a layer (with the last decoder layer's kind of MLP) and the output layer. Backward costs twice
+    the forward. Activation recomputation is not counted: it is work the hardware does, not work the model
+    needs, so MFU stays comparable between runs with and without it.
+    """
+    h, s, L = config.hidden_size, config.seq_length, config.num_layers
+    q, kv = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
+    attention_weights = h * q + 2 * h * kv + q * h
+    attention_square = 4 * s * q
+    if config.multi_latent_attention:
+        attention_weights = mla_projection_weights(config)
+        q_dims = config.qk_head_dim + config.qk_pos_emb_head_dim
+        attention_square = 2 * s * config.num_attention_heads * (q_dims + config.v_head_dim)
+    mlp_matrices = 3 if config.swiglu else 2
+    dense_mlp = mlp_matrices * h * config.ffn_hidden_size
+    moe_mlp = 0
+    if config.num_experts:
+        moe_mlp = config.moe_router_topk * mlp_matrices * h * config.moe_ffn_hidden_size + h * config.num_experts
+        if config.moe_shared_expert_intermediate_size:  # and its gate
+            moe_mlp += mlp_matrices * h * config.moe_shared_expert_intermediate_size + h * config.moe_shared_expert_gate
+    mlp_of = {number: moe_mlp for number in moe_layer_numbers(config)}  # MoE layers, MTP layers included
+    mlp_weights = sum(mlp_of.get(number, dense_mlp) for number in range(L))
+    forward = 2 * (L * attention_weights + mlp_weights + h * config.vocab_size) + L * attention_square
+    for number in range(L, L + (config.mtp_num_layers or 0)):
+        forward += 2 * (2 * h * h + attention_weights + mlp_of.get(number, dense_mlp) + h * config.vocab_size)
+        forward += attention_square
+    return forward * 3
