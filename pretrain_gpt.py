@@ -1,7 +1,7 @@
 """Pretrain a GPT or Llama model: `torchrun --nproc-per-node N pretrain_gpt.py <flags>` (see --help).
 
 As in Megatron-LM, this file only says what the model is, how a micro-batch is read and what the
-loss is; megatron_lite.training.pretrain does the rest. The model and training modules are imported
+loss is; megatron_lite.training.loop.pretrain does the rest. The model and training modules are imported
 inside the functions that use them: the configuration is validated first, without loading torch, so a
 bad command line fails on every rank in a fraction of a second.
 """
@@ -14,25 +14,25 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-from megatron_lite.arguments import ConfigError, parse_config
-from megatron_lite.config import Config
+from megatron_lite.config.arguments import ConfigError, parse_config
+from megatron_lite.config.sections import Config
 from megatron_lite.errors import UserError, debug_requested, report
 from megatron_lite.parallel.launcher import adopt_slurm_environment, exit_with_launcher, warn_of_restart_hazard
 
 if TYPE_CHECKING:
     import torch
 
+    from megatron_lite.config.layer_split import ChunkPlan
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.state import ParallelState
-    from megatron_lite.pipeline.layer_split import ChunkPlan
 
 
 def model_provider(config: Config, pstate: ParallelState, plan: ChunkPlan, device: torch.device) -> GPTModel:
     """One model chunk: the layers of `plan`, with the embedding / output layer where the plan says, and
     MoE layers in place of the dense MLP where --num-experts and --moe-layer-freq say."""
     from megatron_lite.model.gpt import GPTModel
-    from megatron_lite.model.moe import moe_mlp_factory
-    from megatron_lite.training import padded_vocab_for
+    from megatron_lite.model.moe.layer import moe_mlp_factory
+    from megatron_lite.training.loop import padded_vocab_for
 
     return GPTModel(config.model, pstate, padded_vocab=padded_vocab_for(config), seed=config.training.seed,
                     pre_process=plan.pre_process, post_process=plan.post_process,
@@ -53,7 +53,7 @@ def forward_step(data_iterator, model):
     """Read one micro-batch (the same on every rank of the cp group), keep this cp rank's share of the
     sequence, and run it through this model chunk. The document ids of --reset-attention-mask stay on the
     host: attention plans its blocks from them there."""
-    from megatron_lite.model.context_parallel import get_batch_on_this_cp_rank
+    from megatron_lite.model.attention.context_parallel import get_batch_on_this_cp_rank
 
     pstate = model.pstate
     batch = get_batch_on_this_cp_rank(next(data_iterator), pstate)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         return _fail(error, debug, world_size, status=2)
     from megatron_lite.parallel.lifecycle import as_peer_lost_error, as_timeout_error
-    from megatron_lite.training import pretrain
+    from megatron_lite.training.loop import pretrain
 
     debug = debug or config.logging.debug
     try:

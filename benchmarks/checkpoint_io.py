@@ -35,12 +35,12 @@ import torch.multiprocessing as mp
 
 import pretrain_gpt
 from benchmarks.results_file import record_result
-from megatron_lite.arguments import make_config
 from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.checkpointing import Checkpointer, stored_bytes
 from megatron_lite.checkpoint.planner import SafeFileSystemReader
+from megatron_lite.config.arguments import make_config
 from megatron_lite.model.sharding import FlatShard
-from megatron_lite.training import (
+from megatron_lite.training.loop import (
     build_data_iterator,
     build_datasets,
     initialize,

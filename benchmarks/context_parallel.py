@@ -28,8 +28,8 @@ import time
 import torch
 
 from benchmarks.results_file import record_result
-from megatron_lite.arguments import make_config
-from megatron_lite.model.context_parallel import get_batch_on_this_cp_rank
+from megatron_lite.config.arguments import make_config
+from megatron_lite.model.attention.context_parallel import get_batch_on_this_cp_rank
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import Layout, ParallelState
 from tests.harness import close_all_worlds, run_on_ranks

@@ -69,7 +69,7 @@ with open(sys.argv[1], "w") as f:
     json.dump({"returncode": os.waitstatus_to_exitcode(status), "peak_rss_bytes": usage.ru_maxrss * 1024}, f)
 """
 IMPORTS = "import torch.distributed.checkpoint, megatron_lite.hf.checkpoint, megatron_lite.hf.weights, " \
-          "megatron_lite.hf.safetensors_files, megatron_lite.arguments, tqdm, yaml"
+          "megatron_lite.hf.safetensors_files, megatron_lite.config.arguments, tqdm, yaml"
 COPY = """
 import glob, os, sys
 from safetensors.torch import load_file, save_file

@@ -8,8 +8,8 @@ import json
 import os
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import make_config
+from megatron_lite.training.loop import pretrain
 
 CORPUS = "data/shakespeare_text_document"
 TOKENIZER = "data/tokenizer.model"

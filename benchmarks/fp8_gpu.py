@@ -28,7 +28,7 @@ import torch
 import pretrain_gpt
 from benchmarks.gpu_step import LLAMA_1B, TINY, measured, run_config
 from benchmarks.results_file import record_result
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 
 LLAMA3_8B_LAYERS = {"num_layers": 4, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_attention_heads": 32,
                     "num_query_groups": 8, "vocab_size": 128256, "seq_length": 8192, "max_position_embeddings": 8192,

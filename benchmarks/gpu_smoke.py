@@ -35,11 +35,11 @@ import torch.nn.functional as F
 
 import pretrain_gpt
 from benchmarks.results_file import record_result
-from megatron_lite.arguments import make_config
-from megatron_lite.model import moe_experts
-from megatron_lite.model.attention import Documents, flex_document_attention
-from megatron_lite.model.context_parallel import choose_block_kernel
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import make_config
+from megatron_lite.model.attention.context_parallel import choose_block_kernel
+from megatron_lite.model.attention.self_attention import Documents, flex_document_attention
+from megatron_lite.model.moe import experts as moe_experts
+from megatron_lite.training.loop import pretrain
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -33,10 +33,10 @@ import torch
 
 import pretrain_gpt
 from benchmarks.results_file import record_result
-from megatron_lite.arguments import make_config
-from megatron_lite.logging import device_peak_tflops
+from megatron_lite.config.arguments import make_config
 from megatron_lite.model.flops import training_flops_per_token
-from megatron_lite.training import pretrain
+from megatron_lite.training.logging import device_peak_tflops
+from megatron_lite.training.loop import pretrain
 
 LLAMA_1B = {"num_layers": 16, "hidden_size": 2048, "ffn_hidden_size": 8192, "num_attention_heads": 32,
             "num_query_groups": 8, "vocab_size": 128256, "seq_length": 4096, "max_position_embeddings": 4096,
@@ -86,7 +86,7 @@ def attention_kernels(config, device: torch.device) -> list[str]:
     """The aten attention ops that one forward of a one-layer model of this shape runs (profiled)."""
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.state import ParallelState
-    from megatron_lite.training import padded_vocab_for, params_dtype
+    from megatron_lite.training.loop import padded_vocab_for, params_dtype
 
     one_layer = dataclasses.replace(config.model, num_layers=1)
     model = GPTModel(one_layer, ParallelState.single(), padded_vocab=padded_vocab_for(config), seed=1,

@@ -5,7 +5,7 @@ weights in it as in its k experts (the router's E x h weights aside): the ratio 
 routing, permutation and the grouped expert GEMMs. On one process: mixtral-tiny (8 experts, top-2) and a
 fine-grained MoE of 16 experts, top-4, each a quarter of mixtral-tiny's expert width (DeepSeek / Qwen3-MoE
 style), each against its dense peer; and the host reads of values of device tensors (`.item()`, `.tolist()`,
-...; each a synchronisation on a GPU, counted on the CPU by megatron_lite/host_reads.py) in one training step,
+...; each a synchronisation on a GPU, counted on the CPU by megatron_lite/training/host_reads.py) in one training step,
 against the dense peer's, which reads once (the loss and gradient norm); and the fine-grained experts' compute
 alone through each kernel (grouped GEMM, padded bmm, a matmul per expert). Then, on 2 gloo ranks (DP 2):
 mixtral-tiny with EP 2 (alltoall and allgather dispatchers) and EP 1 (every expert on every rank), and the
@@ -39,12 +39,12 @@ import torch.multiprocessing as mp
 
 import pretrain_gpt
 from benchmarks.results_file import record_result
-from megatron_lite import training
-from megatron_lite.arguments import make_config
-from megatron_lite.host_reads import counted_device_reads
-from megatron_lite.model import moe_experts
-from megatron_lite.model.layer_pattern import moe_layer_pattern
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_pattern import moe_layer_pattern
+from megatron_lite.model.moe import experts as moe_experts
 from megatron_lite.parallel import mappings
+from megatron_lite.training import loop as training
+from megatron_lite.training.host_reads import counted_device_reads
 
 WARMUP = 2
 RUN = {"model_preset": "mixtral-tiny", "mock_data": True, "micro_batch_size": 4, "eval_interval": 10_000,

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.results_file import record_result
-from megatron_lite import training
-from megatron_lite.arguments import make_config
-from megatron_lite.pipeline import layer_split
+from megatron_lite.config import layer_split
+from megatron_lite.config.arguments import make_config
 from megatron_lite.pipeline.microbatch import ScheduleStats
+from megatron_lite.training import loop as training
 from tests.harness import close_all_worlds, run_on_ranks
 
 LAYOUTS = [  # (pipeline stages p, virtual stages v, micro-batches m, --pipeline-schedule)

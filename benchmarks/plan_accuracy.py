@@ -25,11 +25,11 @@ import sys
 import pretrain_gpt
 from benchmarks.cpu_allocation_peak import measure_peak
 from benchmarks.results_file import record_result
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.planning.activation_memory import stage_activation_bytes
 from megatron_lite.planning.layouts import schedule_of
 from megatron_lite.planning.state_memory import stage_state_bytes
-from megatron_lite.training import (
+from megatron_lite.training.loop import (
     build_data_iterator,
     build_datasets,
     get_schedule,

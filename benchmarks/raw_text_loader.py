@@ -31,13 +31,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 
 from benchmarks.results_file import record_result  # noqa: E402
-from megatron_lite.config import ModelConfig  # noqa: E402
+from megatron_lite.config.presets import MODEL_PRESETS  # noqa: E402
+from megatron_lite.config.sections import ModelConfig  # noqa: E402
 from megatron_lite.data.raw_text import RawTextDataset  # noqa: E402
 from megatron_lite.data.raw_text_sources import list_chunks  # noqa: E402
 from megatron_lite.data.raw_text_stream import TokenizerSpec  # noqa: E402
-from megatron_lite.logging import peak_tflops_of  # noqa: E402
 from megatron_lite.model.flops import training_flops_per_token  # noqa: E402
-from megatron_lite.presets import MODEL_PRESETS  # noqa: E402
+from megatron_lite.training.logging import peak_tflops_of  # noqa: E402
 
 SEQ_LENGTH, MFU = 8192, 0.5
 CHUNK_BYTES = 2**20  # --raw-text-chunk-mib 1: a few chunks for the prefetch to work ahead on

@@ -137,13 +137,13 @@ def _rss_bytes() -> int:
 
 def _built(case: dict, layers_per_stage: int, skip_draw: bool) -> dict:
     import pretrain_gpt
-    from megatron_lite.arguments import make_config
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.config.layer_split import pipeline_stage_layers
     from megatron_lite.model import sharding
     from megatron_lite.optim.builder import build_optimizer
     from megatron_lite.optim.param_and_grad_buffer import storage_bytes
     from megatron_lite.parallel.state import Layout
-    from megatron_lite.pipeline.layer_split import pipeline_stage_layers
-    from megatron_lite.training import build_model, set_random_seed
+    from megatron_lite.training.loop import build_model, set_random_seed
 
     layout = Layout(tp=case["tp"], pp=case["pp"], dp=case["dp"], ep=case["ep"])
     config = make_config(run_values(case, layers_per_stage), layout.world_size)
@@ -307,10 +307,10 @@ def _read_rank(rank: int, init_file: str, root: str, results) -> None:
     import torch.distributed as dist
 
     import pretrain_gpt
-    from megatron_lite.arguments import make_config
     from megatron_lite.checkpoint.checkpointing import Checkpointer
+    from megatron_lite.config.arguments import make_config
     from megatron_lite.model.sharding import FlatShard, initialization_skipped
-    from megatron_lite.training import initialize, setup_model_and_optimizer
+    from megatron_lite.training.loop import initialize, setup_model_and_optimizer
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

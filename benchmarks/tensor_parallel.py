@@ -28,10 +28,10 @@ import torch
 
 import pretrain_gpt
 from benchmarks.results_file import record_result
-from megatron_lite import training
-from megatron_lite.arguments import make_config
+from megatron_lite.config import layer_split
+from megatron_lite.config.arguments import make_config
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.pipeline import layer_split
+from megatron_lite.training import loop as training
 from tests.harness import run_on_ranks
 
 SHAPE = {"model_preset": "llama-tiny", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,

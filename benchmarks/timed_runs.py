@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
-from megatron_lite.training import (
+from megatron_lite.config.arguments import make_config
+from megatron_lite.training.loop import (
     build_data_iterator,
     build_datasets,
     initialize,

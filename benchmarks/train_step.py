@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from benchmarks.results_file import record_result
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.hf import weights
 from megatron_lite.hf.checkpoint import load_into_model

@@ -35,7 +35,7 @@ import traceback
 DEFAULT_TIMEOUT_S = 300
 # What the fork server imports before it forks workers: only modules this test process has already imported, so
 # a module that fails to import fails here, in the test, with its traceback, rather than in the server.
-_PRELOAD = ("torch", "torch.distributed", "megatron_lite.training", "pretrain_gpt")
+_PRELOAD = ("torch", "torch.distributed", "megatron_lite.training.loop", "pretrain_gpt")
 
 
 def process_context():

@@ -15,7 +15,8 @@ import re
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.model.gpt import gather_vocab_logits
 from megatron_lite.model.sharding import FlatShard, unshard
 from megatron_lite.optim.data_parallel import DistributedDataParallel
@@ -23,9 +24,8 @@ from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.p2p import TRACE_ENV
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.pipeline.microbatch import ScheduleStats
-from megatron_lite.training import (
+from megatron_lite.training.loop import (
     build_data_iterator,
     build_datasets,
     build_model,

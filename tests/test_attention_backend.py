@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from megatron_lite.arguments import make_config
-from megatron_lite.model import attention
-from megatron_lite.model.attention import CoreAttention, choose_attention_backend, sdpa_kernel_name
-from megatron_lite.model.context_parallel import CudaEfficientKernel, CudaFlashKernel
+from megatron_lite.config.arguments import make_config
+from megatron_lite.model.attention import self_attention as attention
+from megatron_lite.model.attention.context_parallel import CudaEfficientKernel, CudaFlashKernel
+from megatron_lite.model.attention.self_attention import CoreAttention, choose_attention_backend, sdpa_kernel_name
 from tests.tolerances import assert_close_relative
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
 from megatron_lite.checkpoint import checksums, directory
 from megatron_lite.checkpoint.checkpointing import Checkpointer
 from megatron_lite.checkpoint.planner import CheckpointError
+from megatron_lite.config.arguments import make_config
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.training import initialize, pretrain
+from megatron_lite.training.loop import initialize, pretrain
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -5,8 +5,8 @@ import functools
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import make_config
+from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

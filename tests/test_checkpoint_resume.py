@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
 from megatron_lite.checkpoint.planner import CheckpointError
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import ConfigError, make_config
+from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from megatron_lite.arguments import ConfigError, build_parser, field_docs, make_config, parse_config
-from megatron_lite.config import Config
-from megatron_lite.presets import MODEL_PRESETS
+from megatron_lite.config.arguments import ConfigError, build_parser, field_docs, make_config, parse_config
+from megatron_lite.config.presets import MODEL_PRESETS
+from megatron_lite.config.sections import Config
 
 
 def test_presets_fill_model_flags_and_flags_win():

@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import pretrain_gpt
-from megatron_lite.arguments import ConfigError, make_config
-from megatron_lite.model.context_parallel import (
+from megatron_lite.config.arguments import ConfigError, make_config
+from megatron_lite.model.attention.context_parallel import (
     CpuFlashKernel,
     RingAttention,
     _merge,
@@ -32,7 +32,7 @@ from megatron_lite.model.context_parallel import (
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
 from tests.tolerances import assert_close_relative
 

@@ -22,13 +22,13 @@ from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
 from megatron_lite.checkpoint.planner import ShardedSavePlanner, state_dict_of
 from megatron_lite.checkpoint.sharded import ShardedTensor
+from megatron_lite.config.layer_pattern import moe_layer_pattern
 from megatron_lite.hf import safetensors_files, weights
 from megatron_lite.hf.checkpoint import ModelCheckpoint, config_from_metadata, resolve_checkpoint
 from megatron_lite.hf.checkpoint_parts import PartsWriter
 from megatron_lite.hf.name_tables import NAME_TABLES
 from megatron_lite.hf.safetensors_files import HFWeights, ShardedWriter, shard_plan
 from megatron_lite.hf.safetensors_format import StreamedFile
-from megatron_lite.model.layer_pattern import moe_layer_pattern
 from tests.helpers import convert, hf_config, perturb_biases_and_norms
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

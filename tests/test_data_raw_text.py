@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.errors import DataError
-from megatron_lite.training import build_data_iterator, build_datasets
+from megatron_lite.training.loop import build_data_iterator, build_datasets
 from tests.corpora import make_prefix
 
 VOCAB, SEQ, SEED, CHUNK_BYTES = 500, 16, 1234, 512

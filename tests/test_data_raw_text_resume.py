@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import make_config
+from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
 from tests.test_data_raw_text import random_documents, write_documents
 from tests.test_data_raw_text_training import raw_values

@@ -9,9 +9,9 @@ import time
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.errors import DataError
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 from tests.helpers import TINY_2_LAYERS
 from tests.test_data_raw_text import random_documents, write_documents
 

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from megatron_lite.arguments import parse_config
+from megatron_lite.config.arguments import parse_config
 from megatron_lite.data.builder import build_per_split_datasets
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.errors import ConfigError, DataError
-from megatron_lite.training import build_datasets
+from megatron_lite.training.loop import build_datasets
 from tests import corpora
 
 SEQ = 32

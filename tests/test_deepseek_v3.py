@@ -15,18 +15,18 @@ import torch
 import yaml
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
 from megatron_lite.checkpoint.checkpointing import Checkpointer
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_pattern import moe_layer_pattern
+from megatron_lite.config.presets import MODEL_PRESETS
 from megatron_lite.errors import ConfigError
 from megatron_lite.hf.configs import hf_config_from_model, model_values_from_hf
 from megatron_lite.hf.weights import hf_shapes
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.layer_pattern import moe_layer_pattern
 from megatron_lite.model.mlp import MLP
-from megatron_lite.model.moe import MoELayer, moe_mlp_factory
+from megatron_lite.model.moe.layer import MoELayer, moe_mlp_factory
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.presets import MODEL_PRESETS
-from megatron_lite.training import build_model, initialize
+from megatron_lite.training.loop import build_model, initialize
 from tests.harness import run_on_ranks
 from tests.helpers import HF_VOCAB, hf_models
 from tests.test_hf_conversion import _forward_logits as forward_logits

@@ -25,12 +25,12 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pretrain_gpt
-from megatron_lite import training
-from megatron_lite.arguments import make_config
-from megatron_lite.logging import TrainingLogger
+from megatron_lite.config.arguments import make_config
 from megatron_lite.optim.builder import build_optimizer
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
+from megatron_lite.training import loop as training
+from megatron_lite.training.logging import TrainingLogger
 
 ACCELERATOR = torch.device("lazy", 0)
 TINY = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64,

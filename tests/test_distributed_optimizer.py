@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
-from megatron_lite.training import (
+from megatron_lite.config.arguments import make_config
+from megatron_lite.training.loop import (
     build_data_iterator,
     build_datasets,
     pretrain,

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import pretrain_gpt
 from megatron_lite.parallel import mappings
-from megatron_lite.training import build_data_iterator, build_datasets, train_step
+from megatron_lite.training.loop import build_data_iterator, build_datasets, train_step
 from tests.harness import run_on_ranks
 from tests.helpers import build_run
 

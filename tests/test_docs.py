@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 try:
-    from megatron_lite.arguments import build_parser
+    from megatron_lite.config.arguments import build_parser
 except ImportError:
-    from megatron_lite.arguments import build_parser
+    from megatron_lite.config.arguments import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -14,14 +14,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pretrain_gpt
-from megatron_lite.arguments import ConfigError, make_config
+from megatron_lite.config.arguments import ConfigError, make_config
+from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.data.mock import MockGPTDataset
-from megatron_lite.model.attention import Documents, document_attention, flex_document_attention
-from megatron_lite.model.context_parallel import CpuFlashKernel, RingAttention, document_spans, load_balanced_indices
+from megatron_lite.model.attention.context_parallel import (
+    CpuFlashKernel,
+    RingAttention,
+    document_spans,
+    load_balanced_indices,
+)
+from megatron_lite.model.attention.self_attention import Documents, document_attention, flex_document_attention
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.pipeline.layer_split import model_chunk_plans
-from megatron_lite.training import _collate
+from megatron_lite.training.loop import _collate
 from tests.harness import run_on_ranks
 from tests.helpers import assert_run_matches, train_and_collect
 from tests.tolerances import assert_close_relative

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_lite.arguments import parse_config
+from megatron_lite.config.arguments import parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {"llama3_8b.yaml": 8, "llama3.2_1b_recipe.yaml": 8}  # file -> the world size it is written for

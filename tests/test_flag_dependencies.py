@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lite.arguments import _CHOICES, ConfigError, build_parser, field_docs, make_config, parse_config
-from megatron_lite.config import Config
-from megatron_lite.flag_dependencies import RULES, STANDS_ALONE, Excludes, Needs
-from megatron_lite.presets import MODEL_PRESETS
+from megatron_lite.config.arguments import _CHOICES, ConfigError, build_parser, field_docs, make_config, parse_config
+from megatron_lite.config.flag_dependencies import RULES, STANDS_ALONE, Excludes, Needs
+from megatron_lite.config.presets import MODEL_PRESETS
+from megatron_lite.config.sections import Config
 
 BASE = {"mock_data": True, "vocab_size": 64, "num_layers": 4}
 FIELDS = {f.name: f for section in dataclasses.fields(Config) for f in dataclasses.fields(section.default_factory())}

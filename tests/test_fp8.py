@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lite.arguments import ConfigError, make_config
+from megatron_lite.config.arguments import ConfigError, make_config
 from megatron_lite.model.fp8 import FP8Recipe, GemmSplits, fp8_linear
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_2_LAYERS, build_run, losses_and_norms
@@ -125,7 +125,7 @@ def test_unbuilt_fp8_combinations_are_one_line(values, expected):
 
 
 def test_an_unknown_fp8_format_is_refused_by_the_parser():
-    from megatron_lite.arguments import parse_config
+    from megatron_lite.config.arguments import parse_config
     with pytest.raises(ConfigError):
         parse_config(["--mock-data", "--fp8-format", "e5m2"], 1)
 

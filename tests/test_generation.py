@@ -5,8 +5,8 @@ reads text with the checkpoint's tokenizer and rejects bad input with one line."
 import pytest
 import torch
 
-from megatron_lite.generation import InferenceParams, SamplingParams, generate, load_model, sample
 from megatron_lite.hf.checkpoint import resolve_checkpoint
+from megatron_lite.inference.generation import InferenceParams, SamplingParams, generate, load_model, sample
 from megatron_lite.parallel.state import Layout, ParallelState
 from tests.harness import run_on_ranks
 from tests.helpers import HF_FAMILIES, HF_VOCAB, hf_models

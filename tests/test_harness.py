@@ -53,8 +53,8 @@ def gloo_threads() -> int:
 
 def train_briefly(values: dict, world_size: int) -> None:
     import pretrain_gpt
-    from megatron_lite.arguments import make_config
-    from megatron_lite.training import pretrain
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.training.loop import pretrain
 
     pretrain(make_config(values, world_size), pretrain_gpt.model_provider, pretrain_gpt.forward_step)
 

@@ -17,13 +17,13 @@ import yaml
 from safetensors.torch import load_file
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
 from megatron_lite.checkpoint.checkpointing import Checkpointer, read_checkpoint_tensors
+from megatron_lite.config.arguments import make_config
 from megatron_lite.data.mock import MockGPTDataset
-from megatron_lite.generation import load_model
 from megatron_lite.hf.checkpoint import resolve_checkpoint
+from megatron_lite.inference.generation import load_model
 from megatron_lite.model.gpt import gather_vocab_logits
-from megatron_lite.training import build_model, get_schedule, initialize, pretrain
+from megatron_lite.training.loop import build_model, get_schedule, initialize, pretrain
 from tests.harness import run_on_ranks
 from tests.helpers import HF_FAMILIES, HF_VOCAB, convert, hf_models
 from tests.tolerances import assert_close_relative

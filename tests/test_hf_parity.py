@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.hf import weights
 from megatron_lite.hf.checkpoint import load_into_model

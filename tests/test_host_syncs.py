@@ -11,8 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pretrain_gpt
-from megatron_lite.host_reads import counted_device_reads
-from megatron_lite.training import build_data_iterator, build_datasets, train_step
+from megatron_lite.training.host_reads import counted_device_reads
+from megatron_lite.training.loop import build_data_iterator, build_datasets, train_step
 from tests.helpers import build_run
 
 

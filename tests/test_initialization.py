@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.model import sharding
 from megatron_lite.model.sharding import ShardSpec, draw_normal_shard, global_initial_value, shard
 from megatron_lite.parallel.state import TensorSplit
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
 from tests.helpers import build_run
 

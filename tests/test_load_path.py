@@ -7,11 +7,11 @@ import os
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
 from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.load_path import load_problem
 from megatron_lite.checkpoint.planner import CheckpointError
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import make_config
+from megatron_lite.training.loop import pretrain
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -13,9 +13,9 @@ import math
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 
 GBS = 4
 RUN = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 1, "hidden_size": 32, "ffn_hidden_size": 64,

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite import rerun_state_machine
-from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.checkpoint import directory
+from megatron_lite.config.arguments import ConfigError, make_config
 from megatron_lite.errors import TrainingDivergedError
-from megatron_lite.model.moe_router import TopKRouter
+from megatron_lite.model.moe.router import TopKRouter
 from megatron_lite.model.mtp import MultiTokenPredictionLayer
-from megatron_lite.rerun_state_machine import RerunStateMachine, Result
-from megatron_lite.training import pretrain
+from megatron_lite.training import rerun_state_machine
+from megatron_lite.training.loop import pretrain
+from megatron_lite.training.rerun_state_machine import RerunStateMachine, Result
 
 MOE_MTP = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64,
            "num_attention_heads": 2, "num_query_groups": 2, "vocab_size": 64, "seq_length": 16,

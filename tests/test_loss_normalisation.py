@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.pipeline.layer_split import model_chunk_plans
-from megatron_lite.training import (
+from megatron_lite.training.loop import (
     build_data_iterator,
     build_datasets,
     build_model,

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite import memory_snapshots
-from megatron_lite.arguments import ConfigError, make_config
+from megatron_lite.config.arguments import ConfigError, make_config
 from megatron_lite.planning.layouts import plan_layout
 from megatron_lite.planning.step_time import Hardware
-from megatron_lite.training import pretrain
+from megatron_lite.training import memory_snapshots
+from megatron_lite.training.loop import pretrain
 
 TINY = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64,
         "num_attention_heads": 2, "vocab_size": 64, "seq_length": 16, "max_position_embeddings": 16,
@@ -77,7 +77,7 @@ def test_profiled_ranks_record_and_dump_megatrons_file_names_beside_the_planners
 
 def test_the_snapshot_path_is_probed_at_start_up_on_the_profiled_ranks(tmp_path):
     from megatron_lite.files import Location
-    from megatron_lite.output_paths import written_locations
+    from megatron_lite.training.output_paths import written_locations
 
     config = make_config({**TINY, "record_memory_history": True, "memory_snapshot_path": str(tmp_path / "m.pickle")})
     assert Location("--memory-snapshot-path", str(tmp_path / "m_0.pickle"), True) in written_locations(config, 0, 1)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import ConfigError, make_config
+from megatron_lite.config.arguments import ConfigError, make_config
 from megatron_lite.optim.loss_scaler import DynamicGradScaler
-from megatron_lite.training import build_data_iterator, build_datasets, train_step
+from megatron_lite.training.loop import build_data_iterator, build_datasets, train_step
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_2_LAYERS, build_run, train_with_state
 

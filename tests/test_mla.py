@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.errors import ConfigError
-from megatron_lite.model.attention import rotary_embedding
+from megatron_lite.model.attention.self_attention import rotary_embedding
+from megatron_lite.model.attention.yarn import YarnScaling
 from megatron_lite.model.flops import training_flops_per_token
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.yarn import YarnScaling
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.planning.activation_memory import latent_attention_bytes
 from tests.harness import run_on_ranks

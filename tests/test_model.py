@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import ParallelState
 from tests.tolerances import assert_close_relative

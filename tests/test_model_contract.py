@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.model.contract import check_model_chunk
 from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.pipeline.layer_split import model_chunk_plans
 
 TINY = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64,
         "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 64, "seq_length": 16,

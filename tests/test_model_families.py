@@ -7,13 +7,13 @@ test_hf_conversion.py and test_generation.py.)"""
 import pytest
 import torch
 
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.presets import MODEL_PRESETS
 from megatron_lite.errors import ConfigError
 from megatron_lite.hf.configs import model_values_from_hf
 from megatron_lite.hf.weights import hf_shapes
-from megatron_lite.model.attention import RopeScaling, RotaryEmbedding
+from megatron_lite.model.attention.self_attention import RopeScaling, RotaryEmbedding
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.presets import MODEL_PRESETS
 from tests.harness import run_on_ranks
 from tests.helpers import SMALL, forward_backward
 from tests.tolerances import assert_close_relative

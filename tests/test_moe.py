@@ -10,22 +10,22 @@ import torch
 import torch.nn.functional as F
 
 import pretrain_gpt
-from megatron_lite.arguments import ConfigError, make_config
-from megatron_lite.host_reads import counted_device_reads
-from megatron_lite.model import moe_experts
+from megatron_lite.config.arguments import ConfigError, make_config
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.loss_scaling import LossScaling, scaled_loss
-from megatron_lite.model.moe import (
+from megatron_lite.model.moe import experts as moe_experts
+from megatron_lite.model.moe.layer import (
     MoELayer,
     moe_metrics,
     moe_mlp_factory,
     update_expert_biases,
 )
-from megatron_lite.model.moe_router import capacity_keep_mask, expert_capacity
+from megatron_lite.model.moe.router import capacity_keep_mask, expert_capacity
 from megatron_lite.model.sharding import initialize_parameters
 from megatron_lite.parallel.state import Layout, ParallelState, TensorSplit
 from megatron_lite.pipeline import schedules
-from megatron_lite.training import (
+from megatron_lite.training.host_reads import counted_device_reads
+from megatron_lite.training.loop import (
     build_data_iterator,
     build_datasets,
     build_model,

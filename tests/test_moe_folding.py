@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lite.arguments import ConfigError, make_config
+from megatron_lite.config.arguments import ConfigError, make_config
 from megatron_lite.model.sharding import unshard
 from megatron_lite.parallel.state import Layout, group_ranks, rank_coordinates
 from tests.harness import run_on_ranks

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.model.sharding import unshard
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
 from tests.helpers import pretrain_keeping_chunks
 

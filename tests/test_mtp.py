@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 import pretrain_gpt
-from megatron_lite.arguments import ConfigError, make_config
+from megatron_lite.config.arguments import ConfigError, make_config
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.pipeline import schedules
-from megatron_lite.training import padded_vocab_for
+from megatron_lite.training.loop import padded_vocab_for
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_2_LAYERS, join_shards, parameter_records, pretrain_keeping_chunks
 from tests.test_deepseek_v3 import PLANNED
@@ -240,7 +240,7 @@ def test_an_mtp_checkpoint_resumes_as_the_uninterrupted_run_also_at_pp2(tmp_path
                          ids=["llama_untied", "gpt2_tied_learned_positions", "mla_dense_first_moe"])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_the_planner_counts_the_parameters_each_stage_builds(values, pp):
-    from megatron_lite.pipeline.layer_split import model_chunk_plans
+    from megatron_lite.config.layer_split import model_chunk_plans
     from megatron_lite.planning.state_memory import chunk_params
 
     config = make_config({**values, "pipeline_model_parallel_size": pp}, pp)

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.errors import ConfigError
-from megatron_lite.training import build_data_iterator, build_datasets, train_step
+from megatron_lite.training.loop import build_data_iterator, build_datasets, train_step
 from tests.helpers import TINY_2_LAYERS, build_run, train_with_state
 from tests.tolerances import assert_close_relative
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
 from megatron_lite.checkpoint.planner import CheckpointError
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import make_config
+from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_2_LAYERS, train_with_state
 from tests.test_distributed_optimizer import WEIGHT_TOLERANCE

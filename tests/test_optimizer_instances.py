@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lite.arguments import make_config
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
+from megatron_lite.config.arguments import make_config
 from megatron_lite.errors import ConfigError
 from megatron_lite.model.sharding import FlatShard, unshard
 from megatron_lite.parallel.state import Layout, group_ranks
@@ -86,7 +86,7 @@ def train_and_describe(values: dict, world_size: int) -> dict:
 
 
 def _groups(values: dict, world_size: int) -> dict:
-    from megatron_lite.training import initialize
+    from megatron_lite.training.loop import initialize
 
     pstate, _ = initialize(make_config(values, world_size))
     return {kind: dist.get_process_group_ranks(pstate.group(kind)) for kind in ("intra_dp_cp", "inter_dist_opt")}

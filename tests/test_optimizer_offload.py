@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import ConfigError, make_config
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
+from megatron_lite.config.arguments import ConfigError, make_config
 from megatron_lite.model.sharding import FlatShard
 from megatron_lite.optim.cpu_offload import offloaded_count
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_2_LAYERS, gathered_weights, train_steps
 

@@ -10,11 +10,11 @@ import socket
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.errors import UserError
 from megatron_lite.files import OutputPathError
 from megatron_lite.parallel import lifecycle
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 from tests.test_cli_errors import fails_on_every_rank_with_one_line
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

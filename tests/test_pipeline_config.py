@@ -3,8 +3,8 @@ change, and valid splits (uneven, interleaved) give each stage and model chunk t
 
 import pytest
 
-from megatron_lite.arguments import ConfigError, make_config
-from megatron_lite.pipeline.layer_split import model_chunk_plans, pipeline_stage_layers
+from megatron_lite.config.arguments import ConfigError, make_config
+from megatron_lite.config.layer_split import model_chunk_plans, pipeline_stage_layers
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_8_LAYERS, assert_run_matches, reference, train_and_collect
 

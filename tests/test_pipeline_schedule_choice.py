@@ -7,7 +7,7 @@ combinations are one-line errors."""
 
 import pytest
 
-from megatron_lite.arguments import ConfigError, make_config
+from megatron_lite.config.arguments import ConfigError, make_config
 from tests.harness import run_on_ranks
 from tests.helpers import (
     TINY_8_LAYERS,

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.errors import ConfigError
-from megatron_lite.model.moe import MoELayer
+from megatron_lite.model.moe.layer import MoELayer
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.planning.activation_memory import layer_bytes, moe_mlp_bytes
 from megatron_lite.planning.layouts import candidate_flags, enumerate_plans, plan_layout
 from megatron_lite.planning.report import plan_record

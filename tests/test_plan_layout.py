@@ -12,14 +12,14 @@ import json
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_split import model_chunk_plans, pipeline_stage_layers
 from megatron_lite.pipeline import split_backward
-from megatron_lite.pipeline.layer_split import model_chunk_plans, pipeline_stage_layers
 from megatron_lite.pipeline.microbatch import ScheduleStats
 from megatron_lite.planning.activation_memory import waiting_weight_passes, weight_pass_bytes
 from megatron_lite.planning.layouts import candidate_flags, offload_fraction_of, pipeline_split
 from megatron_lite.planning.state_memory import stage_state_bytes
-from megatron_lite.training import build_data_iterator, build_datasets, get_schedule
+from megatron_lite.training.loop import build_data_iterator, build_datasets, get_schedule
 from tests.harness import run_on_ranks
 from tests.helpers import build_run
 from tools import plan_layout

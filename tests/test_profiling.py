@@ -7,10 +7,10 @@ import os
 import pytest
 
 import pretrain_gpt
-from megatron_lite import logging as training_logging
-from megatron_lite.arguments import ConfigError, build_parser, make_config
-from megatron_lite.profiling import profile_dir
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import ConfigError, build_parser, make_config
+from megatron_lite.training import logging as training_logging
+from megatron_lite.training.loop import pretrain
+from megatron_lite.training.profiling import profile_dir
 from tests.harness import run_on_ranks
 
 TINY = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 1, "seq_length": 16,

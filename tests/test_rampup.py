@@ -5,9 +5,9 @@ process, and a run resumed mid-ramp-up repeats the uninterrupted run bitwise."""
 import pytest
 
 import pretrain_gpt
-from megatron_lite import training
-from megatron_lite.arguments import ConfigError, build_parser, make_config, parse_config
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import ConfigError, build_parser, make_config, parse_config
+from megatron_lite.training import loop as training
+from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
 
 # The batch grows 2 -> 4 -> 6 -> 8 in 3 equal intervals of 24 / 3 = 8 samples, then stays 8 until 64 samples.

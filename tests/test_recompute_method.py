@@ -4,7 +4,7 @@ gradients."""
 import pytest
 import torch
 
-from megatron_lite.arguments import ConfigError, make_config
+from megatron_lite.config.arguments import ConfigError, make_config
 from megatron_lite.model import transformer
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import ParallelState

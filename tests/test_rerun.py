@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite import rerun_state_machine
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.errors import TrainingDivergedError
-from megatron_lite.rerun_state_machine import TransientFaultError
-from megatron_lite.training import pretrain
+from megatron_lite.training import rerun_state_machine
+from megatron_lite.training.loop import pretrain
+from megatron_lite.training.rerun_state_machine import TransientFaultError
 from tests.harness import run_on_ranks
 
 VALUES = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64,
@@ -165,5 +165,5 @@ def test_a_transient_fault_exits_with_megatrons_status_17(monkeypatch):
     def fault(*args):
         raise TransientFaultError("iteration 5: a transient fault")
 
-    monkeypatch.setattr("megatron_lite.training.pretrain", fault)
+    monkeypatch.setattr("megatron_lite.training.loop.pretrain", fault)
     assert pretrain_gpt.main(["--model-preset", "llama-tiny", "--mock-data", "--train-iters", "2"]) == 17

@@ -6,11 +6,11 @@ import math
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import ConfigError, build_parser, make_config
+from megatron_lite.config.arguments import ConfigError, build_parser, make_config
+from megatron_lite.config.schedules import schedule_warnings
 from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.optim.schedule_validation import schedule_warnings
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 
 BASE = {"model_preset": "llama-tiny", "mock_data": True, "micro_batch_size": 1, "global_batch_size": 4,
         "lr": 1.0, "min_lr": 0.1}

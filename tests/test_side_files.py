@@ -8,10 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from megatron_lite.arguments import ConfigError, parse_config
 from megatron_lite.checkpoint import checksums, directory
 from megatron_lite.checkpoint.planner import CheckpointError, SafeFileSystemReader
-from megatron_lite.config import Config
+from megatron_lite.config.arguments import ConfigError, parse_config
+from megatron_lite.config.sections import Config
 from megatron_lite.data.builder import read_data_args
 from megatron_lite.data.index_cache import load_or_build
 from megatron_lite.data.indexed_dataset import IndexedDataset
@@ -20,7 +20,7 @@ from megatron_lite.errors import DataError, UserError
 from megatron_lite.files import read_json_object
 from megatron_lite.hf.configs import ConversionError, model_values_from_hf
 from megatron_lite.hf.safetensors_files import HFWeights, generation_token_ids, read_hf_config
-from megatron_lite.logging import WANDB_RUN_ID_FILE, wandb_run_id
+from megatron_lite.training.logging import WANDB_RUN_ID_FILE, wandb_run_id
 from tests.test_data_tokenizers import _hf_tokenizer_json
 
 BINARY = bytes(range(256)) * 4  # not UTF-8 from byte 128 on, and a NUL at byte 0

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import ConfigError, make_config
+from megatron_lite.config.arguments import ConfigError, make_config
+from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.pipeline.split_backward import backward_input
-from megatron_lite.training import padded_vocab_for
+from megatron_lite.training.loop import padded_vocab_for
 from tests.helpers import TINY_8_LAYERS
 from tests.tolerances import assert_close_relative
 

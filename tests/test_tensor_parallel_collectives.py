@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
-from megatron_lite.model.attention import RotaryEmbedding
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_split import model_chunk_plans
+from megatron_lite.model.attention.self_attention import RotaryEmbedding
 from megatron_lite.model.sharding import initialize_parameters
 from megatron_lite.model.transformer import TransformerLayer
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.pipeline.layer_split import model_chunk_plans
 from tests.harness import run_on_ranks
 
 S, B = 16, 2

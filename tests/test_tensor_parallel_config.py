@@ -3,8 +3,8 @@
 import pytest
 import torch.distributed as dist
 
-from megatron_lite.arguments import ConfigError, make_config
-from megatron_lite.training import padded_vocab_for
+from megatron_lite.config.arguments import ConfigError, make_config
+from megatron_lite.training.loop import padded_vocab_for
 
 BASE = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "seq_length": 32,
         "max_position_embeddings": 32}

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
-from megatron_lite.model.attention import CoreAttention
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_split import ChunkPlan, model_chunk_plans
+from megatron_lite.model.attention.self_attention import CoreAttention
 from megatron_lite.model.sharding import unshard
 from megatron_lite.model.transformer import HiddenDropout
 from megatron_lite.parallel.random import RNGTracker, set_random_seed
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.pipeline.layer_split import ChunkPlan, model_chunk_plans
 from tests.harness import run_on_ranks
 from tests.helpers import gather_pieces
 from tests.tolerances import assert_close_relative

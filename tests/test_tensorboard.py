@@ -6,8 +6,8 @@ import sys
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import ConfigError, make_config
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import ConfigError, make_config
+from megatron_lite.training.loop import pretrain
 
 TINY = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 1, "seq_length": 32,
         "max_position_embeddings": 32, "global_batch_size": 4, "micro_batch_size": 4}

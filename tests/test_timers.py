@@ -5,9 +5,9 @@ import time
 import torch
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
-from megatron_lite.timers import PhaseTimers
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import make_config
+from megatron_lite.training.loop import pretrain
+from megatron_lite.training.timers import PhaseTimers
 
 
 def test_phase_timers_sum_each_phase_until_read_and_count_blocked_reads_as_data_wait():

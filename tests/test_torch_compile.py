@@ -18,9 +18,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
+from megatron_lite.config.arguments import make_config
 from megatron_lite.data.mock import MockGPTDataset
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
 
 TINY = {

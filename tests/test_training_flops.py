@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_lite.arguments import make_config
-from megatron_lite.logging import peak_tflops_of
+from megatron_lite.config.arguments import make_config
 from megatron_lite.model.flops import training_flops_per_token
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import ParallelState
+from megatron_lite.training.logging import peak_tflops_of
 
 VOCAB = 1024
 

@@ -24,7 +24,7 @@ class NotInstalled:
         return None
 
 sys.meta_path.insert(0, NotInstalled())
-import megatron_lite.training
+import megatron_lite.training.loop
 import pretrain_gpt
 
 sys.exit(pretrain_gpt.main([

@@ -8,9 +8,9 @@ import os
 import pytest
 
 import pretrain_gpt
-from megatron_lite.arguments import make_config
-from megatron_lite.logging import wandb_run_id
-from megatron_lite.training import pretrain
+from megatron_lite.config.arguments import make_config
+from megatron_lite.training.logging import wandb_run_id
+from megatron_lite.training.loop import pretrain
 from tests.wandb_records import read_run
 
 

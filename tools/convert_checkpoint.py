@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from megatron_lite.arguments import ConfigError, make_config  # noqa: E402
+from megatron_lite.config.arguments import ConfigError, make_config  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
 from megatron_lite.hf.sizes import parse_size  # noqa: E402
 from megatron_lite.tool_args import ToolParser, non_negative_int, output_directory, positive_int  # noqa: E402

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
-from megatron_lite.sampling_params import SamplingParams  # noqa: E402
+from megatron_lite.inference.sampling_params import SamplingParams  # noqa: E402
 from megatron_lite.tool_args import ToolParser, non_negative_int, positive_int, seed  # noqa: E402
 
 
@@ -91,9 +91,9 @@ def generate_from(args, parser: ToolParser, sampling: SamplingParams) -> int:
     (torch and the model are imported only then, so a mistake in a flag is answered at once)."""
     import torch
 
-    from megatron_lite.generation import generate, load_model
     from megatron_lite.hf.checkpoint import resolve_checkpoint
-    from megatron_lite.training import resolve_device
+    from megatron_lite.inference.generation import generate, load_model
+    from megatron_lite.training.loop import resolve_device
 
     path = resolve_checkpoint(args.load, args.iteration)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_lite.arguments import build_parser, make_config  # noqa: E402
+from megatron_lite.config.arguments import build_parser, make_config  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
 from megatron_lite.tool_args import ToolParser, fraction, non_negative_int, positive_float, positive_int  # noqa: E402
 

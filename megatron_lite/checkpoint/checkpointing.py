@@ -62,7 +62,7 @@ from megatron_lite.checkpoint.planner import (
 from megatron_lite.checkpoint.rng_state import layout_tag, rng_states, set_rng_states
 from megatron_lite.checkpoint.save_lock import SaveLock, unwritable
 from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 from megatron_lite.model.sharding import FlatShard
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState

@@ -29,7 +29,7 @@ import re
 import shutil
 
 from megatron_lite.checkpoint.checksums import missing_or_resized
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 from megatron_lite.errors import CheckpointError
 from megatron_lite.files import check_fields, is_a, read_json_object, read_text
 

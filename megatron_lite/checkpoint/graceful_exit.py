@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 

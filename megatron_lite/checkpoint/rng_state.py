@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 
 
 def layout_tag(config: Config, device: torch.device) -> str:

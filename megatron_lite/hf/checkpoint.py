@@ -29,8 +29,8 @@ from megatron_lite.checkpoint import checksums, directory
 from megatron_lite.checkpoint.checkpointing import FORMAT
 from megatron_lite.checkpoint.planner import SafeFileSystemReader, ShardedLoadPlanner, state_dict_of
 from megatron_lite.checkpoint.sharded import ShardedTensor
-from megatron_lite.config import Config, ModelConfig
-from megatron_lite.flag_dependencies import acting_flags
+from megatron_lite.config.flag_dependencies import acting_flags
+from megatron_lite.config.sections import Config, ModelConfig
 from megatron_lite.hf.checkpoint_parts import PartsWriter
 from megatron_lite.hf.configs import ConversionError
 from megatron_lite.model.sharding import load_global_tensors

@@ -21,11 +21,11 @@ import json
 
 import torch
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config.layer_pattern import moe_layer_pattern
+from megatron_lite.config.sections import ModelConfig
 from megatron_lite.errors import UserError
 from megatron_lite.files import is_a
-from megatron_lite.model.layer_pattern import moe_layer_pattern
-from megatron_lite.model.yarn import YarnScaling, yarn_mscale
+from megatron_lite.model.attention.yarn import YarnScaling, yarn_mscale
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 
@@ -170,7 +170,7 @@ def _yarn_values(hf: dict) -> dict:
 
     transformers scales cos and sin by `attention_factor`, or without it by mscale(factor, mscale) /
     mscale(factor, mscale_all_dim) when both are set and mscale(factor, 1) otherwise; its softmax scale takes
-    mscale(factor, mscale_all_dim)^2 (model/yarn.py). The flags are chosen to give both."""
+    mscale(factor, mscale_all_dim)^2 (model/attention/yarn.py). The flags are chosen to give both."""
     parameters = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     _refuse(rope_type not in ("default", "yarn"), f"RoPE scaling ({rope_type}) in a deepseek_v3")

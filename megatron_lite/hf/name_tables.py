@@ -10,7 +10,7 @@ The transforms between the two layouts:
   SAME         the tensor as it is
   VOCAB_ROWS   a vocabulary table: export drops our padding rows (import pads at load time)
   STACKED      [gate; up] rows stacked into one fc1, for the dense MLP and every expert
-  QKV          separate q, k, v -> fused per query group (model/attention.py's layout)
+  QKV          separate q, k, v -> fused per query group (model/attention/self_attention.py's layout)
   PACKED_QKV   GPT-2's one [q; k; v] tensor -> fused per query group
   transposed() GPT-2's Conv1D stores weights as [in, out]
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config.sections import ModelConfig
 
 Shape = tuple[int, ...]
 
@@ -213,7 +213,8 @@ def gpt2_table(m: ModelConfig) -> NameTable:
 
 
 def _latent_attention(m: ModelConfig) -> list[Rule]:
-    """Norms and multi-latent attention of a DeepSeek-V3 layer (model/mla.py's names; HF's in the same layouts)."""
+    """Norms and multi-latent attention of a DeepSeek-V3 layer (model/attention/mla.py's names; HF's in the same
+    layouts)."""
     ours, attn = "decoder.layers.{layer}.", "model.layers.{layer}.self_attn."
     heads, q_dim = m.num_attention_heads, m.qk_head_dim + m.qk_pos_emb_head_dim
 

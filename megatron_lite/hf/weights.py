@@ -4,7 +4,7 @@ Both directions work on whole (global) tensors keyed by megatron_lite's global p
 unpadded vocabulary, which is what a checkpoint stores, so the result loads into any parallel layout.
 Import joins each rule's HF tensors into ours, export splits ours into HF's, and the expected HF shapes
 (`hf_shapes`) come from the same rules, so a file that does not match its configuration is reported before
-anything is converted. RoPE needs no permutation: ours is HF's "rotate half" layout (model/attention.py).
+anything is converted. RoPE needs no permutation: ours is HF's "rotate half" layout (model/attention/self_attention.py).
 
 The rules come grouped into `units`, what a streamed conversion holds at once: each tensor before or after
 the layers alone, each decoder layer, each multi-token prediction module. `stream_to_megatron` and
@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config.layer_pattern import is_moe_layer, moe_layer_pattern
+from megatron_lite.config.sections import ModelConfig
 from megatron_lite.hf.configs import ConversionError
 from megatron_lite.hf.name_tables import NAME_TABLES, NameTable, Rule
-from megatron_lite.model.layer_pattern import is_moe_layer, moe_layer_pattern
 
 # Buffers some HF checkpoints carry that are not weights.
 _NOT_WEIGHTS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from megatron_lite.config import ModelConfig
-from megatron_lite.model.mla import mla_projection_weights
-from megatron_lite.model.moe import moe_layer_numbers
+from megatron_lite.config.sections import ModelConfig
+from megatron_lite.model.attention.mla import mla_projection_weights
+from megatron_lite.model.moe.layer import moe_layer_numbers
 
 
 def training_flops_per_token(config: ModelConfig) -> float:

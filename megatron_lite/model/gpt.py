@@ -17,8 +17,13 @@ import re
 
 import torch
 
-from megatron_lite.config import ModelConfig
-from megatron_lite.model.attention import Documents, Positions, choose_attention_backend, rotary_embedding
+from megatron_lite.config.sections import ModelConfig
+from megatron_lite.model.attention.self_attention import (
+    Documents,
+    Positions,
+    choose_attention_backend,
+    rotary_embedding,
+)
 from megatron_lite.model.mtp import MultiTokenPrediction
 from megatron_lite.model.sharding import ShardSpec, initialize_parameters, new_parameter
 from megatron_lite.model.tensor_parallel import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.state import ParallelState

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.config import ModelConfig
-from megatron_lite.model.context_parallel import load_balanced_indices
+from megatron_lite.config.sections import ModelConfig
+from megatron_lite.model.attention.context_parallel import load_balanced_indices
 from megatron_lite.model.loss_scaling import auxiliary_loss_weight
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 from megatron_lite.model.transformer import Norm, TransformerLayer

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.config import ModelConfig
-from megatron_lite.model.attention import SelfAttention
+from megatron_lite.config.sections import ModelConfig
+from megatron_lite.model.attention.mla import MultiLatentAttention
+from megatron_lite.model.attention.self_attention import SelfAttention
 from megatron_lite.model.fp8 import FP8Recipe
-from megatron_lite.model.mla import MultiLatentAttention
 from megatron_lite.model.mlp import MLP
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel.random import RNGTracker, checkpoint

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.distributed_optimizer import DistributedOptimizer
 from megatron_lite.optim.muon_optimizer import build_muon_optimizer

@@ -10,7 +10,7 @@ needs no scaling.
 
 from __future__ import annotations
 
-from megatron_lite.config import OptimizerConfig
+from megatron_lite.config.sections import OptimizerConfig
 
 
 class ConstantGradScaler:

@@ -22,9 +22,9 @@ where f(t) is 1 - t (linear), (1 + cos(pi t)) / 2 (cosine), 2 * 0.5^t - 1 (expon
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from megatron_lite.config import Config
+from megatron_lite.config.schedules import schedule_lengths
+from megatron_lite.config.sections import Config
 
 # The fraction of (lr - min_lr) left after a fraction t of the decay.
 _DECAY_COEFFICIENTS = {
@@ -33,31 +33,6 @@ _DECAY_COEFFICIENTS = {
     "exponential": lambda t: 2.0 * 0.5**t - 1.0,
     "minus_sqrt": lambda t: 1.0 - math.sqrt(t),
 }
-
-
-@dataclass(frozen=True)
-class ScheduleLengths:
-    """The schedules' lengths in samples (warmup may be fractional: --lr-warmup-fraction of the decay)."""
-
-    warmup: float
-    decay: int
-    wsd_decay: int | None  # WSD's final annealing phase
-    weight_decay_incr: int  # the whole run
-
-
-def schedule_lengths(config: Config) -> ScheduleLengths:
-    """The lengths the flags give, in samples (iteration flags times --global-batch-size)."""
-    o, t = config.optimizer, config.training
-    if t.train_samples is None:
-        gbs = t.global_batch_size
-        wsd_decay = None if o.lr_wsd_decay_iters is None else o.lr_wsd_decay_iters * gbs
-        lengths = ScheduleLengths(o.lr_warmup_iters * gbs, o.lr_decay_iters * gbs, wsd_decay, t.train_iters * gbs)
-    else:
-        lengths = ScheduleLengths(o.lr_warmup_samples, o.lr_decay_samples, o.lr_wsd_decay_samples, t.train_samples)
-    if o.lr_warmup_fraction is not None:
-        lengths = ScheduleLengths(o.lr_warmup_fraction * lengths.decay, lengths.decay, lengths.wsd_decay,
-                                  lengths.weight_decay_incr)
-    return lengths
 
 
 def learning_rate(config: Config, consumed_samples: int) -> float:

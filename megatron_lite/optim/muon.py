@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.optim.muon_coefficients import coefficient_schedule
+from megatron_lite.config.muon_coefficients import coefficient_schedule
 from megatron_lite.parallel import mappings
 
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 from megatron_lite.model.sharding import FlatShard
 from megatron_lite.optim.distributed_optimizer import DistributedOptimizer
 from megatron_lite.optim.muon import MuonSettings, orthogonalized_update

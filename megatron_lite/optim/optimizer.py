@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from megatron_lite.config import OptimizerConfig
+from megatron_lite.config.sections import OptimizerConfig
 from megatron_lite.model.sharding import FlatShard
 from megatron_lite.optim.cpu_offload import DeviceMasters, HostMasters, offloaded_count
 from megatron_lite.optim.loss_scaler import build_grad_scaler

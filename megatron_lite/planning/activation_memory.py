@@ -52,7 +52,7 @@ fills, and under ZeRO-3 the gathered parameters of the chunk's own unit and of t
 saves a linear's input in 1 byte where e is counted above, so its saved bytes are an upper bound. The last stage
 adds the multi-token prediction modules' saved tensors (mtp_bytes) to its head's.
 
-Multi-latent attention (model/mla.py) saves instead of QKV's tensors, with nh local heads: its input e h; per
+Multi-latent attention (model/attention/mla.py) saves instead of QKV's tensors, with nh local heads: its input e h; per
 latent (query, with --q-lora-rank, and key/value) the norm's (as the norms above) and the up-projection's input
 e r (in fp32 the key/value norm's input is a view that keeps the whole down-projection output); the query and
 the key of e nh (qk_head_dim + qk_pos_emb_head_dim) each; the up-projection's
@@ -67,10 +67,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config import Config
+from megatron_lite.config.layer_pattern import is_moe_layer, moe_layer_pattern
+from megatron_lite.config.layer_split import model_chunk_plans
+from megatron_lite.config.sections import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
-from megatron_lite.model.layer_pattern import is_moe_layer, moe_layer_pattern
-from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.planning.bucket_tables import chunk_table
 from megatron_lite.planning.param_shapes import expert_tensor_parallel_size
 from megatron_lite.planning.shared_cache import per_config
@@ -118,9 +118,9 @@ def latent_attention_bytes(config: Config) -> int:
 
 
 def expert_region_tokens(config: Config) -> int:
-    """Tokens of one micro-batch that a rank's routed experts serve (model/moe.py's expert region): the ETP group's,
-    all-gathered when its ranks hold different tokens (sequence parallelism, or ETP ranks that are not the rank's
-    TP peers under folding), else the rank's own. With ETP = TP that is every local token."""
+    """Tokens of one micro-batch that a rank's routed experts serve (model/moe/layer.py's expert region): the ETP
+    group's, all-gathered when its ranks hold different tokens (sequence parallelism, or ETP ranks that are not the
+    rank's TP peers under folding), else the rank's own. With ETP = TP that is every local token."""
     p = config.parallel
     tokens, stream = _tokens(config)
     etp = expert_tensor_parallel_size(config)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_lite.config import Config
+from megatron_lite.config.layer_split import ChunkPlan
+from megatron_lite.config.sections import Config
 from megatron_lite.optim.zero_stage import ZeroStage
-from megatron_lite.pipeline.layer_split import ChunkPlan
 from megatron_lite.planning.param_shapes import (
     ParamShape,
     back_params,

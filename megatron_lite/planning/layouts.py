@@ -23,8 +23,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_lite.arguments import make_config, with_preset
-from megatron_lite.config import Config, ModelConfig
+from megatron_lite.config.arguments import make_config, with_preset
+from megatron_lite.config.sections import Config, ModelConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.planning.activation_memory import ActivationBytes, stage_activation_bytes

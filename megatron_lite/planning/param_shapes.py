@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config import Config
+from megatron_lite.config.layer_pattern import is_moe_layer, moe_layer_pattern
+from megatron_lite.config.layer_split import ChunkPlan
+from megatron_lite.config.sections import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
-from megatron_lite.model.layer_pattern import is_moe_layer, moe_layer_pattern
-from megatron_lite.pipeline.layer_split import ChunkPlan
 from megatron_lite.planning.shared_cache import shapes_key, shared
 
 
@@ -52,7 +52,7 @@ def _norm(config: Config, size: int) -> list[int]:
 
 
 def _latent_attention_params(config: Config) -> list[int]:
-    """Multi-latent attention's parameters in registration order (model/mla.py): heads split over TP, the
+    """Multi-latent attention's parameters in registration order (model/attention/mla.py): heads split over TP, the
     down-projections and latent norms whole on every rank."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     h, heads = m.hidden_size, m.num_attention_heads // tp

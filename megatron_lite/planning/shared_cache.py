@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Callable
 from typing import TypeVar
 
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 
 T = TypeVar("T")
 

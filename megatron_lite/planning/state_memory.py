@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config import Config
+from megatron_lite.config.layer_split import ChunkPlan, model_chunk_plans
+from megatron_lite.config.sections import Config
 from megatron_lite.optim.cpu_offload import offloaded_count
 from megatron_lite.optim.zero_stage import ZeroStage
-from megatron_lite.pipeline.layer_split import ChunkPlan, model_chunk_plans
 from megatron_lite.planning.bucket_tables import chunk_table, param_buckets
 from megatron_lite.planning.param_shapes import (
     ParamShape,

@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megatron_lite.config import Config
+from megatron_lite.config.layer_pattern import moe_layer_pattern
+from megatron_lite.config.sections import Config
 from megatron_lite.model.flops import training_flops_per_token
-from megatron_lite.model.layer_pattern import moe_layer_pattern
 from megatron_lite.planning.activation_memory import expert_region_tokens
 from megatron_lite.planning.param_shapes import expert_tensor_parallel_size
 from megatron_lite.planning.shared_cache import shared

@@ -13,16 +13,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_lite import memory_snapshots
 from megatron_lite.checkpoint.checkpointing import Checkpointer, ResumeState
 from megatron_lite.checkpoint.graceful_exit import ExitConditions, ExitSignalHandler
-from megatron_lite.config import Config
+from megatron_lite.config.layer_split import model_chunk_plans
+from megatron_lite.config.schedules import schedule_warnings
+from megatron_lite.config.sections import Config
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.errors import ConfigError
-from megatron_lite.logging import TrainingLogger
-from megatron_lite.model.moe import moe_metrics, moe_step_losses, update_expert_biases
+from megatron_lite.model.moe.layer import moe_metrics, moe_step_losses, update_expert_biases
 from megatron_lite.model.mtp import mtp_loss_totals, mtp_metrics
 from megatron_lite.model.sharding import initialization_skipped
 from megatron_lite.optim.builder import build_optimizer
@@ -30,22 +30,22 @@ from megatron_lite.optim.data_parallel import DistributedDataParallel
 from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.optim.schedule_validation import schedule_warnings
-from megatron_lite.output_paths import check_written_locations
 from megatron_lite.parallel import lifecycle, mappings
 from megatron_lite.parallel.random import set_random_seed
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
-from megatron_lite.pipeline.layer_split import model_chunk_plans
 from megatron_lite.planning.report import theoretical_memory_report
-from megatron_lite.profiling import StepProfiler
-from megatron_lite.rerun_state_machine import (
+from megatron_lite.training import memory_snapshots
+from megatron_lite.training.logging import TrainingLogger
+from megatron_lite.training.output_paths import check_written_locations
+from megatron_lite.training.profiling import StepProfiler
+from megatron_lite.training.rerun_state_machine import (
     ReplayableIterator,
     RerunStateMachine,
     Result,
     rank_fingerprint,
 )
-from megatron_lite.timers import PhaseTimers
+from megatron_lite.training.timers import PhaseTimers
 
 
 def resolve_device(requested: str) -> torch.device:

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 
 
 def profile_dir(config: Config) -> str:

@@ -1,4 +1,4 @@
-"""Configuration checks of the experts' layout (model/moe.py, parallel/state.py), run by validation.validate
+"""Configuration checks of the experts' layout (model/moe/layer.py, parallel/state.py), run by validation.validate
 before any process group exists: one line per problem, saying what to change."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_lite.config import Config
+    from megatron_lite.config.sections import Config
 
 
 def expert_layout_problems(config: Config) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_lite.config import Config
+    from megatron_lite.config.sections import Config
 
 
 def pipeline_stage_layers(config: Config) -> list[int]:

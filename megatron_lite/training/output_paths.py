@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import os
 
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 from megatron_lite.files import Location, OutputPathError, unwritable
 
 
 def written_locations(config: Config, rank: int, world_size: int) -> list[Location]:
     """What rank `rank` of a run of `world_size` ranks will write, by the flag that names it."""
-    from megatron_lite.logging import wandb_project
-    from megatron_lite.memory_snapshots import records_memory_history, snapshot_path
-    from megatron_lite.profiling import profile_dir
+    from megatron_lite.training.logging import wandb_project
+    from megatron_lite.training.memory_snapshots import records_memory_history, snapshot_path
+    from megatron_lite.training.profiling import profile_dir
 
     log, d = config.logging, config.data
     places = []

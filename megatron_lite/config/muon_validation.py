@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_lite.config import Config
-from megatron_lite.optim.muon_coefficients import steps_problem
+from megatron_lite.config.muon_coefficients import steps_problem
+from megatron_lite.config.sections import Config
 
 
 def muon_problems(config: Config) -> list[str]:

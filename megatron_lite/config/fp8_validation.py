@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_lite.config import Config
+    from megatron_lite.config.sections import Config
 
 BUILT_RECIPES = ("tensorwise", "rowwise")
 

@@ -2,7 +2,7 @@
 
 Each attention layer keeps the keys and values of every token it has seen (`InferenceParams`, Megatron's
 name), so a step runs the model on the newest token only and attends over the cache
-(model/attention.py `cached_causal_attention`): O(s) work per token instead of O(s^2). Tokens are chosen
+(model/attention/self_attention.py `cached_causal_attention`): O(s) work per token instead of O(s^2). Tokens are chosen
 greedily, or sampled with temperature, top-k and top-p (nucleus) filtering. Tensor parallelism works through
 the normal model: every TP rank gathers the full logits and draws from an identically seeded generator, so
 all ranks pick the same token. The whole model must sit in one pipeline stage.
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.config import ParallelConfig
+from megatron_lite.config.sections import ParallelConfig
 from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.hf.checkpoint import config_from_metadata, load_into_model, read_model_checkpoint
+from megatron_lite.inference.sampling_params import SamplingParams
 from megatron_lite.model.gpt import GPTModel, gather_vocab_logits
-from megatron_lite.model.moe import moe_mlp_factory
+from megatron_lite.model.moe.layer import moe_mlp_factory
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.sampling_params import SamplingParams
 
 
 class LayerKVCache:

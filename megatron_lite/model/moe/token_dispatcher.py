@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.model.moe_router import count_per_expert
+from megatron_lite.model.moe.router import count_per_expert
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 

@@ -25,9 +25,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.mlp import activation
-from megatron_lite.model.moe_token_dispatcher import segment_ids
+from megatron_lite.model.moe.token_dispatcher import segment_ids
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 
 

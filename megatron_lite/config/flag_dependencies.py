@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from megatron_lite.config import Config
+    from megatron_lite.config.sections import Config
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config.sections import ModelConfig
 
 _LONGEST_EXPRESSION = 10_000  # characters; a pattern is one entry per layer, written with * for repeats
 _LONGEST_PATTERN = 100_000  # layers

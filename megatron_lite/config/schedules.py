@@ -1,14 +1,41 @@
-"""Checks of the schedules a run follows: its length in iterations or samples, the learning-rate warmup and decay,
-the weight-decay increment and the batch-size ramp-up. Megatron's rules; each problem is one line saying what
-to change (validation.py gathers them). `schedule_warnings` names the schedules a run will stop before
-completing, which start-up prints without refusing the run."""
+"""The schedules a run follows, from its flags: their lengths in samples (optim/lr_schedule.py's values follow
+them), and checks of the training length, the learning-rate warmup and decay, the weight-decay increment and
+the batch-size ramp-up. Megatron's rules; each problem is one line saying what to change (validation.py
+gathers them). `schedule_warnings` names the schedules a run will stop before completing, which start-up
+prints without refusing the run."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_lite.config import Config
+    from megatron_lite.config.sections import Config
+
+
+@dataclass(frozen=True)
+class ScheduleLengths:
+    """The schedules' lengths in samples (warmup may be fractional: --lr-warmup-fraction of the decay)."""
+
+    warmup: float
+    decay: int
+    wsd_decay: int | None  # WSD's final annealing phase
+    weight_decay_incr: int  # the whole run
+
+
+def schedule_lengths(config: Config) -> ScheduleLengths:
+    """The lengths the flags give, in samples (iteration flags times --global-batch-size)."""
+    o, t = config.optimizer, config.training
+    if t.train_samples is None:
+        gbs = t.global_batch_size
+        wsd_decay = None if o.lr_wsd_decay_iters is None else o.lr_wsd_decay_iters * gbs
+        lengths = ScheduleLengths(o.lr_warmup_iters * gbs, o.lr_decay_iters * gbs, wsd_decay, t.train_iters * gbs)
+    else:
+        lengths = ScheduleLengths(o.lr_warmup_samples, o.lr_decay_samples, o.lr_wsd_decay_samples, t.train_samples)
+    if o.lr_warmup_fraction is not None:
+        lengths = ScheduleLengths(o.lr_warmup_fraction * lengths.decay, lengths.decay, lengths.wsd_decay,
+                                  lengths.weight_decay_incr)
+    return lengths
 
 
 def schedule_problems(config: Config) -> list[str]:
@@ -33,8 +60,6 @@ def _reach_problems(config: Config) -> list[str]:
 
     Megatron's scheduler refuses a warmup that does not end before the decay does (the run would never reach
     --lr, or never decay); likewise --min-lr with a schedule that never decays."""
-    from megatron_lite.optim.lr_schedule import schedule_lengths
-
     o = config.optimizer
     unit, per = _schedule_unit(config)
     lengths = schedule_lengths(config)
@@ -52,8 +77,6 @@ def schedule_warnings(config: Config) -> list[str]:
     """Schedules this run stops before completing: fine for a run trained in pieces (resumed later with a
     larger --train-iters or --train-samples), so a warning, not a refusal. The last step begins once all but
     the final global batch are consumed."""
-    from megatron_lite.optim.lr_schedule import schedule_lengths
-
     o, t = config.optimizer, config.training
     unit, per = _schedule_unit(config)
     total = t.train_iters * t.global_batch_size if t.train_samples is None else t.train_samples

@@ -5,7 +5,7 @@ Per token x [h]:
     keys/values: c, k_rope = W_kv_down x (a latent of --kv-lora-rank and one RoPE key shared by every head),
               [k_nope, v] = W_kv_up norm(c)                                   [nh, qk_head_dim], [nh, v_head_dim]
     each head: attention of [q_nope, rope(q_rope)] over [k_nope, rope(k_rope)], softmax scale from the whole
-              query-key head dimension (times YaRN's mscale^2, model/yarn.py), then the output projection.
+              query-key head dimension (times YaRN's mscale^2, model/attention/yarn.py), then the output projection.
 The latent norms exist with --qk-layernorm, as in Megatron-Core (DeepSeek's checkpoints have them). RoPE is
 applied to the interleaved pairs (x0, x1), (x2, x3).. of the rotated dimensions, as DeepSeek's weights are laid
 out (transformers' rope_interleave): they are de-interleaved and rotated by halves, which gives every query-key
@@ -32,12 +32,18 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.config import ModelConfig
-from megatron_lite.model.attention import CoreAttention, HeadNorm, Positions, apply_rotary, cached_causal_attention
+from megatron_lite.config.sections import ModelConfig
+from megatron_lite.model.attention.self_attention import (
+    CoreAttention,
+    HeadNorm,
+    Positions,
+    apply_rotary,
+    cached_causal_attention,
+)
+from megatron_lite.model.attention.yarn import YarnScaling
 from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.tensor_parallel import RowParallelLinear
-from megatron_lite.model.yarn import YarnScaling
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.random import RNGTracker, checkpoint
 from megatron_lite.parallel.state import ParallelState
@@ -63,7 +69,7 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MultiLatentAttention(torch.nn.Module):
-    """MLA with SelfAttention's interface (model/attention.py): [s(/tp), b, h] -> [s(/tp), b, h]."""
+    """MLA with SelfAttention's interface (model/attention/self_attention.py): [s(/tp), b, h] -> [s(/tp), b, h]."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool,
                  backend: str, rng_tracker: RNGTracker | None, cp_comm_type: str = "p2p",

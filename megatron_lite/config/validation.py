@@ -11,21 +11,21 @@ import importlib.util
 import math
 from typing import TYPE_CHECKING
 
+from megatron_lite.config.flag_dependencies import dependency_problems
+from megatron_lite.config.fp8_validation import fp8_problems
+from megatron_lite.config.layer_pattern import moe_layer_pattern
+from megatron_lite.config.layer_split import pipeline_stage_layers
+from megatron_lite.config.mla_validation import mla_problems
+from megatron_lite.config.moe_validation import expert_layout_problems
+from megatron_lite.config.mtp_validation import mtp_problems
+from megatron_lite.config.muon_validation import muon_problems
+from megatron_lite.config.schedules import schedule_problems
 from megatron_lite.errors import ConfigError
-from megatron_lite.flag_dependencies import dependency_problems
-from megatron_lite.model.fp8_validation import fp8_problems
-from megatron_lite.model.layer_pattern import moe_layer_pattern
-from megatron_lite.model.mla_validation import mla_problems
-from megatron_lite.model.moe_validation import expert_layout_problems
-from megatron_lite.model.mtp_validation import mtp_problems
-from megatron_lite.optim.muon_validation import muon_problems
-from megatron_lite.optim.schedule_validation import schedule_problems
-from megatron_lite.pipeline.layer_split import pipeline_stage_layers
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from megatron_lite.config import Config
+    from megatron_lite.config.sections import Config
 
 
 def validate(config: Config, world_size: int, given: Iterable[str] = ()) -> None:

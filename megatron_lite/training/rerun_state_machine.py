@@ -36,9 +36,9 @@ import torch
 
 from megatron_lite.checkpoint.agreement import all_gather
 from megatron_lite.checkpoint.rng_state import rng_states, set_rng_states
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 from megatron_lite.errors import TrainingDivergedError, UserError
-from megatron_lite.model.moe import load_moe_statistics, moe_statistics
+from megatron_lite.model.moe.layer import load_moe_statistics, moe_statistics
 
 SPIKE_FACTOR = 10.0  # Megatron's SPIKY_LOSS_FACTOR and the large-gradient threshold
 STATISTICS_SAMPLES = 100  # values seen before a result can be judged unexpectedly large

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from megatron_lite.config import Config
+from megatron_lite.config.sections import Config
 
 _MAX_ENTRIES = 100_000  # Megatron's: the newest 100k allocation and free events
 

@@ -17,11 +17,11 @@ import time
 import torch
 
 from megatron_lite.checkpoint.directory import checkpoint_path
-from megatron_lite.config import Config, LoggingConfig
+from megatron_lite.config.sections import Config, LoggingConfig
 from megatron_lite.errors import UserError
 from megatron_lite.files import read_text
 from megatron_lite.model.flops import training_flops_per_token
-from megatron_lite.timers import PhaseTimers
+from megatron_lite.training.timers import PhaseTimers
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, without sparsity), matched against
 # torch.cuda.get_device_name in this order: the most specific name first (H100 PCIe / NVL before H100).

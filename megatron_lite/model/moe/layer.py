@@ -1,6 +1,6 @@
 """Mixture-of-Experts layer: router -> token dispatcher -> local experts -> dispatcher back.
 
-An MoE layer replaces the dense MLP of the transformer layers --moe-layer-freq names (model/layer_pattern.py)
+An MoE layer replaces the dense MLP of the transformer layers --moe-layer-freq names (config/layer_pattern.py)
 with E expert MLPs and a router that sends each token to k of them, so parameters grow with E while
 the compute per token stays that of k experts (Switch Transformer, GShard, Mixtral).
 
@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.config import Config, ModelConfig
-from megatron_lite.model.layer_pattern import is_moe_layer
+from megatron_lite.config.layer_pattern import is_moe_layer
+from megatron_lite.config.sections import Config, ModelConfig
 from megatron_lite.model.loss_scaling import auxiliary_loss_weight
-from megatron_lite.model.moe_experts import GroupedExperts, SharedExpertMLP
-from megatron_lite.model.moe_router import MoEAuxLossAutoScaler, RouterLosses, TopKRouter, capacity_keep_mask
-from megatron_lite.model.moe_token_dispatcher import TOKEN_DISPATCHERS
+from megatron_lite.model.moe.experts import GroupedExperts, SharedExpertMLP
+from megatron_lite.model.moe.router import MoEAuxLossAutoScaler, RouterLosses, TopKRouter, capacity_keep_mask
+from megatron_lite.model.moe.token_dispatcher import TOKEN_DISPATCHERS
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config.sections import ModelConfig
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from megatron_lite.model.layer_pattern import layer_pattern_problems
+from megatron_lite.config.layer_pattern import layer_pattern_problems
 
 if TYPE_CHECKING:
-    from megatron_lite.config import Config, ModelConfig
+    from megatron_lite.config.sections import Config, ModelConfig
 
 _MLA_SIZES = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 

@@ -17,13 +17,13 @@ import textwrap
 
 import yaml
 
-from megatron_lite.config import Config
+from megatron_lite.config.flag_dependencies import given_flags
+from megatron_lite.config.presets import MODEL_PRESETS
+from megatron_lite.config.sections import Config
+from megatron_lite.config.validation import validate
 from megatron_lite.data.samplers import iterations_in_samples
 from megatron_lite.errors import ConfigError
 from megatron_lite.files import read_text
-from megatron_lite.flag_dependencies import given_flags
-from megatron_lite.presets import MODEL_PRESETS
-from megatron_lite.validation import validate
 
 __all__ = ["ConfigError", "build_parser", "field_docs", "make_config", "parse_config"]
 

@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_lite.config import Config
+    from megatron_lite.config.sections import Config
 
 
 def mtp_problems(config: Config) -> list[str]:

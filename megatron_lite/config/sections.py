@@ -63,7 +63,7 @@ class ModelConfig:
     """with --use-rope-scaling: see there"""
     rope_scaling_original_max_position_embeddings: int = 8192
     """with --use-rope-scaling: the context length of pretraining before the scaling"""
-    # Multi-latent attention (DeepSeek-V2/V3, model/mla.py) and its YaRN RoPE (model/yarn.py)
+    # Multi-latent attention (DeepSeek-V2/V3, model/attention/mla.py) and its YaRN RoPE (model/attention/yarn.py)
     multi_latent_attention: bool = False
     """multi-latent attention: queries and keys/values through low-rank latents, a RoPE key shared by all heads"""
     q_lora_rank: int | None = None
@@ -120,7 +120,7 @@ class ModelConfig:
     """each expert takes at most factor x tokens x topk / experts tokens, the rest dropped; unset: dropless"""
     moe_layer_freq: str | int | list[int] = 1
     """N: every N-th layer is an MoE layer, from the first; or one 0 (dense) / 1 (MoE) per layer as a list expression
-    such as ([0]*3+[1]*58) (model/layer_pattern.py)"""
+    such as ([0]*3+[1]*58) (config/layer_pattern.py)"""
     moe_token_dispatcher_type: str = "alltoall"
     """how tokens reach the experts of other expert-parallel ranks: alltoall sends each token where it goes, allgather
     gathers every token everywhere"""

@@ -18,7 +18,7 @@ Documents in a packed sequence (--reset-attention-mask): a token attends only to
 document. On CUDA that runs through FlexAttention, compiled, with a block mask built from the document ids
 (as torchtitan does), so fully masked tiles are skipped and no [s, s] mask exists; elsewhere through SDPA
 with a boolean [b, 1, s, s] mask (the CPU is a test path: it materialises the mask). Context parallelism
-applies documents block by block (model/context_parallel.py).
+applies documents block by block (model/attention/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from megatron_lite.config import ModelConfig
-from megatron_lite.model.context_parallel import context_parallel_attention
+from megatron_lite.config.sections import ModelConfig
+from megatron_lite.model.attention.context_parallel import context_parallel_attention
+from megatron_lite.model.attention.yarn import YarnScaling
 from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron_lite.model.yarn import YarnScaling
 from megatron_lite.parallel.random import RNGTracker, checkpoint
 from megatron_lite.parallel.state import ParallelState
 
@@ -133,9 +133,9 @@ class RopeScaling(NamedTuple):
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """RoPE (Su et al. 2021) in the "rotate half" layout used by Llama and Hugging Face, with the frequency scaling
-    `scaling` when given: Llama 3.1's (RopeScaling) or YaRN's (model/yarn.py), whose attention factor multiplies
-    cos and sin."""
+    """RoPE (Su et al. 2021) in the "rotate half" layout used by Llama and Hugging Face, with the frequency
+    scaling `scaling` when given: Llama 3.1's (RopeScaling) or YaRN's (model/attention/yarn.py), whose attention
+    factor multiplies cos and sin."""
 
     def __init__(self, head_dim: int, base: float, scaling: RopeScaling | YarnScaling | None = None):
         super().__init__()
@@ -244,7 +244,7 @@ class CoreAttention(torch.nn.Module):
     `documents`, causal within each document only.
 
     With a context-parallel group the local sequence is this rank's two load-balanced chunks and attention
-    spans the whole group's sequence (model/context_parallel.py; `cp_comm_type` is --cp-comm-type).
+    spans the whole group's sequence (model/attention/context_parallel.py; `cp_comm_type` is --cp-comm-type).
     """
 
     def __init__(self, dropout: float, backend: str, rng_tracker: RNGTracker | None, cp_group=None,
@@ -324,7 +324,7 @@ class HeadNorm(torch.nn.Module):
 
     Every TP rank holds the whole weight but normalizes only its own heads, so each rank's gradient is a partial
     sum: the spec marks it for the all-reduce over TP that finalize_model_grads gives such parameters. `size`
-    other than head_dim: multi-latent attention's latent norms (model/mla.py), replicated over TP as well.
+    other than head_dim: multi-latent attention's latent norms (model/attention/mla.py), replicated over TP as well.
     """
 
     def __init__(self, config: ModelConfig, tp_size: int, size: int | None = None):

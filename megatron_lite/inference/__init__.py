@@ -1,0 +1,1 @@
+"""Inference: autoregressive generation with a KV cache (generation.py), its sampling flags (sampling_params.py)."""
