@@ -1,10 +1,9 @@
-"""Bad input fails on every rank with one clear line and a non-zero exit, quickly, before any collective."""
+"""Bad input fails on every rank with one clear line and a non-zero exit, before any collective or step."""
 
 import os
 import struct
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -30,32 +29,28 @@ CASES = {
 }
 
 
-def fails_on_every_rank_with_one_line(argv: list[str], expected: str) -> float:
-    """Run `argv` on two ranks; assert both print one `error (rank R): ...` line holding `expected` and the
-    run exits non-zero; return how long it took."""
+def fails_on_every_rank_with_one_line(argv: list[str], expected: str) -> None:
+    """Run `argv` on two ranks; assert both print one `error (rank R): ...` line holding `expected`, the run
+    exits non-zero and no step was trained. A rank left waiting in a collective would hold the run until the
+    process-group timeout (10 minutes): the subprocess limit, well below it, fails the test instead."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "pretrain_gpt.py", *argv]
-    start = time.monotonic()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    elapsed = time.monotonic() - start
     assert result.returncode != 0
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error (rank")]
     assert sorted(line.split(")")[0] for line in error_lines) == ["error (rank 0", "error (rank 1"], result.stderr
     assert all(expected in line for line in error_lines), error_lines
-    return elapsed
+    assert " iteration " not in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_fails_on_every_rank_with_one_line(case):
-    elapsed = fails_on_every_rank_with_one_line(*CASES[case])
-    assert elapsed < 30, f"took {elapsed:.1f}s"
+    fails_on_every_rank_with_one_line(*CASES[case])
 
 
 def test_a_yaml_string_for_a_switch_fails_on_every_rank_with_one_line(tmp_path):
     (tmp_path / "run.yaml").write_text('model_preset: llama-tiny\nmock_data: "false"\n')
-    elapsed = fails_on_every_rank_with_one_line(["--config", str(tmp_path / "run.yaml")],
-                                                "mock_data must be true or false")
-    assert elapsed < 30, f"took {elapsed:.1f}s"
+    fails_on_every_rank_with_one_line(["--config", str(tmp_path / "run.yaml")], "mock_data must be true or false")
 
 
 def _write_pair(prefix, tokens: np.ndarray, idx_dtype_code: int) -> None:
@@ -84,6 +79,5 @@ def test_data_that_lies_fails_on_every_rank_before_training(case, tmp_path):
     argv = ["--model-preset", "llama-tiny", "--num-layers", "2", "--seq-length", "16", "--max-position-embeddings",
             "16", "--tokenizer-type", "NullTokenizer", "--data-path", str(tmp_path / "corpus"), "--split", "1",
             "--train-iters", "2", "--device", "cpu", "--metrics-jsonl", str(tmp_path / "metrics.jsonl"), *flags]
-    elapsed = fails_on_every_rank_with_one_line(argv, expected)
+    fails_on_every_rank_with_one_line(argv, expected)
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
-    assert elapsed < 120, f"took {elapsed:.1f}s"  # torch loads and the model is built before the data is read

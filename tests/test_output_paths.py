@@ -77,9 +77,8 @@ def test_a_tensorboard_dir_under_a_file_fails_on_both_ranks_with_one_line(tmp_pa
     (tmp_path / "a_file").write_text("not a directory")
     argv = ["--model-preset", "llama-tiny", "--mock-data", "--num-layers", "1", "--train-iters", "2",
             "--tensorboard-dir", str(tmp_path / "a_file" / "tb")]
-    elapsed = fails_on_every_rank_with_one_line(argv, f"--tensorboard-dir {tmp_path / 'a_file' / 'tb'} cannot be "
-                                                      f"written on {socket.gethostname()}")
-    assert elapsed < 120, f"took {elapsed:.1f}s"  # seconds on a loaded machine, not the 10-minute timeout
+    fails_on_every_rank_with_one_line(argv, f"--tensorboard-dir {tmp_path / 'a_file' / 'tb'} cannot be "
+                                            f"written on {socket.gethostname()}")
 
 
 def _exit_or_wait_at_the_start_up_barrier(rank: int, init_file: str, results) -> None:

@@ -85,11 +85,10 @@ def test_a_binary_data_args_file_stops_every_rank_with_one_line(tmp_path):
     from tests.test_cli_errors import fails_on_every_rank_with_one_line
 
     (tmp_path / "blend.txt").write_bytes(BINARY)
-    elapsed = fails_on_every_rank_with_one_line(
+    fails_on_every_rank_with_one_line(
         ["--model-preset", "llama-tiny", "--train-iters", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size",
          "128", "--data-args-path", str(tmp_path / "blend.txt")],
         f"--data-args-path {tmp_path / 'blend.txt'}: a binary file, not text (a NUL byte at byte 0)")
-    assert elapsed < 60, f"took {elapsed:.1f}s"
 
 
 @pytest.mark.parametrize("content, expected", [

@@ -6,7 +6,7 @@
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --use-distributed-optimizer
 
 Model and training flags are pretrain_gpt.py's (a --model-preset, --seq-length, --micro-batch-size, --bf16, ...).
-Without layout flags every valid layout is planned (validation.py decides validity) and listed by predicted
+Without layout flags every valid layout is planned (config/validation.py decides validity) and listed by predicted
 step time, those that do not fit marked with the GiB they are over (--pipeline-schedule, when given, is the one
 schedule tried for pipelined layouts without virtual stages, the others keeping no pipelining or interleaved
 1F1B; --optimizer-cpu-offload with --optimizer-offload-fraction holds for every layout; when validation refuses

@@ -24,7 +24,7 @@ a node (a Function computing dX and dW in one backward, a compiled layer) runs o
 gradients are not delayed: on those layers B costs what the whole backward does. A compiled region takes
 part only when compiled with torch._functorch.config.donated_buffer off: by default its backward frees
 buffers as it runs and refuses a graph kept for W, which is why
-zb-h1 with --torch-compile is refused (validation.py).
+zb-h1 with --torch-compile is refused (config/validation.py).
 
 A stage with no input to differentiate (the first) has nothing to do in B, and its W is the whole
 backward. The graph stays alive until W, so a micro-batch holds its activations until then; the schedule

@@ -3,7 +3,7 @@
 A layout is a set of Megatron flags: TP with sequence parallelism, CP, PP, virtual stages, EP and the
 expert-tensor-parallel size (MoE parallel folding), the ZeRO stage and its number of distributed-optimizer
 instances, recomputation, --pipeline-schedule and --optimizer-cpu-offload with --optimizer-offload-fraction; a
-configuration's schedule and offloaded share are read from those flags. Validity is decided by validation.py,
+configuration's schedule and offloaded share are read from those flags. Validity is decided by config/validation.py,
 through arguments.make_config, exactly as a launch with those flags would decide it; a layout is then planned
 per pipeline stage (stages differ: the first holds the embedding and the most micro-batches in flight, the last
 the output layer and the loss).

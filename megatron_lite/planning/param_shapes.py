@@ -1,7 +1,7 @@
 """The parameters one rank's model chunk holds, as shapes: what the model builds, without building it.
 
-The shapes of each chunk follow `module.parameters()` order (model/gpt.py, transformer.py, attention.py, mlp.py,
-mla.py, moe.py, mtp.py: a module's own parameters before its children's): the vocabulary padded to a multiple of
+The shapes of each chunk follow `module.parameters()` order (model/gpt.py, transformer.py, attention/, mlp.py,
+moe/, mtp.py: a module's own parameters before its children's): the vocabulary padded to a multiple of
 --make-vocab-size-divisible-by x TP; attention and dense MLP weights split over TP; an MoE layer's router
 replicated, its E / ep routed experts split over the expert-tensor-parallel ranks (--expert-tensor-parallel-size,
 TP by default) and its shared expert over TP.

@@ -25,7 +25,7 @@ from the stage's ranks independently of attention's TP group, e.g. attention at 
 ETP1 x EP2 on the same two ranks. Under TP > 1 the TP ranks must then hold different tokens, so sequence
 parallelism is required, as Megatron requires it for MoE with TP.
 
-Experts have no biases; the local experts run as one grouped GEMM (moe_experts.py). A shared expert
+Experts have no biases; the local experts run as one grouped GEMM (experts.py). A shared expert
 (--moe-shared-expert-intermediate-size) is split over TP: with ETP = TP it runs on the region's tokens, so
 its partial sum joins the routed experts' before the one reduction; otherwise in a TP region of its own.
 Megatron's --moe-shared-expert-overlap runs the shared expert on a side stream while the all-to-all is in
