@@ -368,7 +368,7 @@ class SelfAttention(torch.nn.Module):
         self.recompute_core_attention = config.recompute_granularity == "selective"
 
     def forward(self, x: torch.Tensor, positions: Positions | None, kv_cache=None) -> torch.Tensor:
-        """`positions` None: no RoPE and plain causal attention. `kv_cache` (generation only, see inference/generation.py)
+        """`positions` None: no RoPE and plain causal attention. `kv_cache` (generation only: inference/generation.py)
         holds this layer's keys and values of the tokens before x; x's are appended and x's tokens attend to all
         of them."""
         positions = positions if positions is not None else Positions()
