@@ -177,6 +177,7 @@ RULES: dict[str, tuple[Needs | Excludes, ...]] = {
     "profile_dir": (_PROFILE,),
     "profile_ranks": (needs("profile", "record_memory_history"),),
     "memory_snapshot_path": (needs("record_memory_history"),),
+    "straggler_minmax_count": (needs("log_straggler"),),
 }
 
 # Flags that mean the same whatever else is given.
@@ -203,7 +204,7 @@ STANDS_ALONE = frozenset({
     "save", "load",
     # --wandb-exp-name and --wandb-save-dir also serve a project named by $WANDB_PROJECT
     "log_interval", "wandb_project", "wandb_exp_name", "wandb_save_dir", "tensorboard_dir", "metrics_jsonl",
-    "peak_tflops", "debug", "profile", "record_memory_history",
+    "peak_tflops", "debug", "profile", "record_memory_history", "log_straggler",
 })
 
 

@@ -495,6 +495,11 @@ class LoggingConfig:
     """append every logged iteration's metrics to this JSON-lines file"""
     peak_tflops: float | None = None
     """the device's peak TFLOP/s for MFU; default: read from the GPU's name"""
+    log_straggler: bool = False
+    """at each log interval, the min, median and max over the ranks of each phase's time and the slowest ranks
+    with their hosts (one small gather per interval)"""
+    straggler_minmax_count: int = 1
+    """how many of the slowest ranks --log-straggler names"""
     debug: bool = False
     """print tracebacks with errors (also MEGATRON_LITE_DEBUG=1)"""
     profile: bool = False

@@ -21,6 +21,7 @@ from megatron_lite.config.sections import Config, LoggingConfig
 from megatron_lite.errors import UserError
 from megatron_lite.files import read_text
 from megatron_lite.model.flops import training_flops_per_token
+from megatron_lite.training.straggler import StragglerReport, format_stragglers
 from megatron_lite.training.timers import PhaseTimers
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, without sparsity), matched against
@@ -53,11 +54,13 @@ def memory_gib(device: torch.device) -> float:
 class TrainingLogger:
     """Collects per-iteration metrics on the logging rank and writes them where the user asked."""
 
-    def __init__(self, config: Config, device: torch.device, world_size: int, enabled: bool):
+    def __init__(self, config: Config, device: torch.device, world_size: int, enabled: bool,
+                 stragglers: StragglerReport | None = None):
         self.config = config
         self.device = device
         self.world_size = world_size
         self.enabled = enabled
+        self.stragglers = stragglers  # every rank's logger calls it at every log interval (a gather)
         self.flops_per_token = training_flops_per_token(config.model)
         self.peak_tflops = device_peak_tflops(device, config.logging.peak_tflops)
         self.last_time = time.perf_counter()
@@ -95,6 +98,10 @@ class TrainingLogger:
                   **(timers.read() if timers is not None else {})}
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
+        if self.stragglers is not None:
+            self.stragglers.add(record)
+            if iteration % self.config.logging.log_interval == 0:
+                record.update(self.stragglers.report())
         if not self.enabled:
             return record
         if self.jsonl is not None:
@@ -230,4 +237,6 @@ def format_line(r: dict, train_iters: int) -> str:
     if "moe_aux_loss" in r:
         parts.append(f"moe aux loss {r['moe_aux_loss']:.4g} | moe z loss {r['moe_z_loss']:.4g}")
     parts.append(f"mem {r['memory_gib']:.2f} GiB")
+    if "stragglers" in r:
+        parts.append(format_stragglers(r["stragglers"]))
     return " | ".join(parts)

@@ -45,6 +45,7 @@ from megatron_lite.training.rerun_state_machine import (
     Result,
     rank_fingerprint,
 )
+from megatron_lite.training.straggler import StragglerReport
 from megatron_lite.training.timers import PhaseTimers
 
 
@@ -410,7 +411,9 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                       if evaluations_done < t.train_iters // t.eval_interval else None)
     resume.restore_rng(model, device)  # after the data loaders, which draw from the generator when built
     is_logging_rank = pstate.rank == pstate.layout.world_size - 1
-    logger = TrainingLogger(config, device, pstate.layout.world_size, is_logging_rank)
+    stragglers = (StragglerReport(config.logging.straggler_minmax_count, lifecycle.world_group(), pstate.rank,
+                                  pstate.layout.world_size - 1, device) if config.logging.log_straggler else None)
+    logger = TrainingLogger(config, device, pstate.layout.world_size, is_logging_rank, stragglers)
     lifecycle.startup_barrier(pstate.timeout)
     history = []
     for chunk in model:
