@@ -200,6 +200,7 @@ STANDS_ALONE = frozenset({
     "reset_attention_mask", "eod_mask_loss",
     "micro_batch_size", "global_batch_size", "train_samples", "eval_interval", "eval_iters", "calculate_per_token_loss",
     "seed", "device", "exit_signal_handler", "exit_interval", "exit_duration_in_mins", "distributed_timeout_minutes",
+    "hang_timeout_seconds",
     "rerun_mode", "check_for_spiky_loss", "check_for_large_grads", "result_rejected_tracker_filename",
     "save", "load",
     # --wandb-exp-name and --wandb-save-dir also serve a project named by $WANDB_PROJECT

@@ -67,7 +67,7 @@ _POSITIVE_FLOATS = {"rotary_base", "norm_epsilon", "moe_expert_capacity_factor",
                     "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor"}
 _NON_NEGATIVE_FLOATS = {"lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "init_method_std",
                         "moe_aux_loss_coeff", "moe_z_loss_coeff", "lr_warmup_init", "start_weight_decay",
-                        "end_weight_decay"}
+                        "end_weight_decay", "hang_timeout_seconds"}
 _FRACTIONS = {"hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction"}  # in [0, 1)
 
 
@@ -280,6 +280,10 @@ def _run_problems(config: Config) -> list[str]:
         problems.append(f"min-lr ({o.min_lr}) must not exceed lr ({o.lr})")
     problems += _optimizer_problems(config)
     problems += _document_problems(config)
+    if t.hang_timeout_seconds and t.hang_timeout_seconds >= 60 * t.distributed_timeout_minutes:
+        problems.append(f"--hang-timeout-seconds ({t.hang_timeout_seconds:g}) must be below the process-group "
+                        f"timeout, --distributed-timeout-minutes x 60 ({60 * t.distributed_timeout_minutes:g}): "
+                        f"the report must come before the timeout ends the ranks")
     return problems
 
 

@@ -130,6 +130,18 @@ def as_peer_lost_error(error: BaseException) -> PeerLostError | None:
     return PeerLostError(f"another rank died during a collective ({lost.group(0)})")
 
 
+def default_store() -> dist.Store | None:
+    """The store of the default process group (torchrun's, the one `join` made, or a test's), or None. Reports
+    that must get through while collectives hang use it: it is served apart from the process group's
+    connections."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()  # torch has no public accessor
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def world_group() -> dist.ProcessGroup | None:
     """The default group when this process has joined one of more than one rank, else None (no collective
     needed)."""

@@ -16,15 +16,18 @@ A group of None means "no parallelism here" and every op is the identity. Under 
 group runs eagerly at a graph break: with torch 2.11, the compiled backward of a tensor-parallel layer whose
 forward ends in the all-reduce gave wrong gradients (one step of a TP2 GPT: gradient norm 1.39, eager 1.70).
 The module also holds the plain (non-autograd) collectives and point-to-point transfers of tensors the rest of
-the package uses, so that no layer calls torch.distributed directly and a count of collectives (tests) can
-wrap one place. The control plane alone calls torch.distributed itself: object collectives and barriers of
-checkpoint agreement (checkpoint/) and of start-up (parallel/lifecycle.py).
+the package uses, so that no layer calls torch.distributed directly, a count of collectives (tests) can wrap
+one place, and each records itself in parallel/progress.py for the hang report. The control plane alone calls
+torch.distributed itself: object collectives and barriers of checkpoint agreement (checkpoint/) and of start-up
+(parallel/lifecycle.py).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from megatron_lite.parallel.progress import RECORD
 
 # ---------------------------------------------------------------------------------------------------
 # Plain collectives and point-to-point transfers (no autograd). Every tensor the package communicates goes
@@ -34,7 +37,8 @@ import torch.distributed as dist
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce; a no-op without a group."""
     if group is not None:
-        dist.all_reduce(tensor, op=op, group=group)
+        with RECORD.collective("all_reduce", group):
+            dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -42,30 +46,32 @@ def amax_over_groups(amax: torch.Tensor, groups: tuple) -> torch.Tensor:
     """In place: the max of `amax` over every rank of each group in `groups`, the ranks that hold the other parts
     of the tensor it was taken over; the FP8 scales' amax of the whole logical tensor (model/fp8.py)."""
     for group in groups:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        with RECORD.collective("all_reduce", group):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 
 
 def start_all_reduce(tensor: torch.Tensor, group):
     """Launch an in-place sum over `group` and return its work (wait() before reading `tensor`)."""
-    return dist.all_reduce(tensor, group=group, async_op=True)
+    return RECORD.started("all_reduce", group, dist.all_reduce(tensor, group=group, async_op=True))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     """In place: every rank of `group` gets global rank `src`'s `tensor`; a no-op without a group."""
     if group is not None:
-        dist.broadcast(tensor, src=src, group=group)
+        with RECORD.collective("broadcast", group):
+            dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
 def isend(tensor: torch.Tensor, peer: int, group, tag: int = 0):
     """Start sending `tensor` to global rank `peer`; returns the work."""
-    return dist.isend(tensor, dst=peer, group=group, tag=tag)
+    return RECORD.started(f"send to rank {peer}", group, dist.isend(tensor, dst=peer, group=group, tag=tag))
 
 
 def irecv(tensor: torch.Tensor, peer: int, group, tag: int = 0):
     """Start receiving into `tensor` from global rank `peer`; returns the work."""
-    return dist.irecv(tensor, src=peer, group=group, tag=tag)
+    return RECORD.started(f"receive from rank {peer}", group, dist.irecv(tensor, src=peer, group=group, tag=tag))
 
 
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
@@ -76,7 +82,10 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group, as
     happens at each call, so that tests which wrap torch.distributed's functions see it.
     """
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    return gather(output, tensor, group=group, async_op=async_op)
+    if async_op:
+        return RECORD.started("all_gather", group, gather(output, tensor, group=group, async_op=True))
+    with RECORD.collective("all_gather", group):
+        return gather(output, tensor, group=group)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
@@ -85,18 +94,23 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group, asy
     Named `reduce_scatter_single` from torch 2.13 on, with the same history as `all_gather_into_tensor`.
     """
     scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-    return scatter(output, tensor, group=group, async_op=async_op)
+    if async_op:
+        return RECORD.started("reduce_scatter", group, scatter(output, tensor, group=group, async_op=True))
+    with RECORD.collective("reduce_scatter", group):
+        return scatter(output, tensor, group=group)
 
 
 def gather_to(tensor: torch.Tensor, gathered: list[torch.Tensor] | None, dst: int, group) -> None:
     """Global rank `dst` receives every rank's `tensor` (equal shapes) into `gathered`, in group-rank order;
     the other ranks pass None."""
-    dist.gather(tensor, gathered, dst=dst, group=group)
+    with RECORD.collective("gather", group):
+        dist.gather(tensor, gathered, dst=dst, group=group)
 
 
 def scatter_from(output: torch.Tensor, pieces: list[torch.Tensor] | None, src: int, group) -> None:
     """Every rank receives into `output` its piece of global rank `src`'s `pieces` (None elsewhere)."""
-    dist.scatter(output, pieces, src=src, group=group)
+    with RECORD.collective("scatter", group):
+        dist.scatter(output, pieces, src=src, group=group)
 
 
 def all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -138,8 +152,9 @@ def all_to_all_single(tensor: torch.Tensor, group, output_splits: list[int] | No
     tensor = tensor.contiguous()
     rows = tensor.shape[0] if output_splits is None else sum(output_splits)
     out = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.all_to_all_single(out, tensor, output_split_sizes=output_splits, input_split_sizes=input_splits,
-                           group=group)
+    with RECORD.collective("all_to_all", group):
+        dist.all_to_all_single(out, tensor, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                               group=group)
     return out
 
 

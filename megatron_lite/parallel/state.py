@@ -267,6 +267,14 @@ class ParallelState:
         """The group of `kind` holding this rank (None when the layout has no such parallelism)."""
         return self._groups[kind]
 
+    def group_names(self) -> dict[int, str]:
+        """id(group) -> the kinds it serves ('dp/dp_cp' when one group is both), for reports naming a group."""
+        names: dict[int, list[str]] = {}
+        for kind, group in self._groups.items():
+            if group is not None:
+                names.setdefault(id(group), []).append(kind)
+        return {key: "/".join(kinds) for key, kinds in names.items()}
+
     # Sizes and ranks, named as Megatron users know them.
     @property
     def tp_size(self) -> int:

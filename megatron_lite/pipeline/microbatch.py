@@ -13,6 +13,7 @@ import torch
 from megatron_lite.model.loss_scaling import LossScaling, scaled_loss
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.p2p import PipelineCommunicator, trace, trace_enabled
+from megatron_lite.parallel.progress import RECORD
 from megatron_lite.pipeline import split_backward
 
 
@@ -85,6 +86,12 @@ class ScheduleStats:
                 f"{self.peak_live}, held {self.peak_held} | {timeline}")
 
 
+def microbatch_step(what: str, microbatch: int, num_microbatches: int, chunk_id: int | None = None) -> str:
+    """How the progress record (the hang report) names a step: 'forward of micro-batch 2 of 8 (model chunk 1)'."""
+    chunk = f" (model chunk {chunk_id})" if chunk_id is not None else ""
+    return f"{what} of micro-batch {microbatch + 1} of {num_microbatches}{chunk}"
+
+
 class MicroBatchRunner:
     """Forward and backward of one micro-batch on one model chunk; keeps the reports, tokens and stats."""
 
@@ -95,15 +102,20 @@ class MicroBatchRunner:
         self.pstate = pstate
         self.forward_only = forward_only
         self.stats = stats
+        self.num_microbatches = num_microbatches
         stats.start = time.perf_counter()
         self.losses = MicroBatchLosses(model[0], pstate, config, num_microbatches, loss_scale=loss_scale,
                                        forward_only=forward_only)
+
+    def _step(self, what: str, chunk_id: int, microbatch: int) -> str:
+        return microbatch_step(what, microbatch, self.num_microbatches, chunk_id if len(self.model) > 1 else None)
 
     def computes_loss(self, chunk_id: int) -> bool:
         return self.pstate.is_last_stage and chunk_id == len(self.model) - 1
 
     def forward(self, chunk_id: int, microbatch: int, input_tensor, data_iterator) -> torch.Tensor:
         """The chunk's output activations [s(/tp), b, h], or the scaled loss on the last stage."""
+        RECORD.set_step(self._step("forward", chunk_id, microbatch))
         start = time.perf_counter()
         chunk = self.model[chunk_id]
         if input_tensor is not None and not self.forward_only:
@@ -127,6 +139,7 @@ class MicroBatchRunner:
 
         Gradient reduction stays deferred until the chunk's last micro-batch, whose backward may start it.
         """
+        RECORD.set_step(self._step("backward", chunk_id, microbatch))
         start = time.perf_counter()
         chunk = self.model[chunk_id]
         no_sync = getattr(chunk, "no_sync", contextlib.nullcontext)
@@ -139,6 +152,7 @@ class MicroBatchRunner:
 
     def backward_input(self, chunk_id: int, microbatch: int, input_tensor, output_tensor, output_grad):
         """B: the gradient for the previous stage only (None on the first); returns it and the micro-batch's W."""
+        RECORD.set_step(self._step("input backward", chunk_id, microbatch))
         start = time.perf_counter()
         params = list(self.model[chunk_id].parameters())
         input_grad, weight_pass = split_backward.backward_input(output_tensor, output_grad, input_tensor, params)
@@ -149,6 +163,7 @@ class MicroBatchRunner:
     def backward_weight(self, chunk_id: int, microbatch: int, weight_pass: split_backward.WeightGradientPass,
                         last_microbatch: bool):
         """W: accumulate one micro-batch's weight gradients; the last micro-batch's may start their reduction."""
+        RECORD.set_step(self._step("weight backward", chunk_id, microbatch))
         start = time.perf_counter()
         chunk = self.model[chunk_id]
         no_sync = getattr(chunk, "no_sync", contextlib.nullcontext)

@@ -36,10 +36,12 @@ from __future__ import annotations
 import contextlib
 
 from megatron_lite.model.loss_scaling import scaled_loss
+from megatron_lite.parallel.progress import RECORD
 from megatron_lite.pipeline.microbatch import (
     MicroBatchLosses,
     MicroBatchRunner,
     ScheduleStats,
+    microbatch_step,
     receive_forward_send,
     stage_communicator,
 )
@@ -55,10 +57,12 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_
     for index in range(num_microbatches):
         last = index == num_microbatches - 1
         with contextlib.nullcontext() if (last or forward_only) else no_sync():
+            RECORD.set_step(microbatch_step("forward", index, num_microbatches))
             with scaled_loss(losses.scaling):  # for losses the layers attach
                 output, loss_func = forward_step_func(data_iterator, chunk)
             loss = losses.backward_loss(loss_func, output)
             if not forward_only:
+                RECORD.set_step(microbatch_step("backward", index, num_microbatches))
                 loss.backward()
     return losses.result()
 

@@ -31,11 +31,13 @@ from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.optim.lr_schedule import learning_rate, weight_decay
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import lifecycle, mappings
+from megatron_lite.parallel.progress import RECORD
 from megatron_lite.parallel.random import set_random_seed
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
 from megatron_lite.planning.report import theoretical_memory_report
 from megatron_lite.training import memory_snapshots
+from megatron_lite.training.hang_report import arm_flight_recorder, hang_timeout_s, start_watchdog, unwatched
 from megatron_lite.training.logging import TrainingLogger
 from megatron_lite.training.output_paths import check_written_locations
 from megatron_lite.training.profiling import StepProfiler
@@ -69,6 +71,8 @@ def initialize(config: Config) -> tuple[ParallelState, torch.device]:
                     hierarchical_cp=tuple(hierarchical_cp) if hierarchical_cp else None,
                     dist_opt_instances=p.num_distributed_optimizer_instances)
     timeout = lifecycle.timeout_of(config.training.distributed_timeout_minutes)
+    if world_size > 1 and device.type == "cuda" and hang_timeout_s(config):
+        arm_flight_recorder()
     if world_size > 1:
         lifecycle.join(device, timeout)
     pstate = ParallelState.build(layout, timeout) if world_size > 1 else ParallelState.single()
@@ -296,6 +300,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
         consumed_samples = iteration * config.training.global_batch_size
     global_batch_size = config.global_batch_size_at(consumed_samples)
     rerun.start_iteration(model, device, data_iterator)
+    RECORD.set_step("the start of the step", iteration + 1)
     while True:
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -304,10 +309,12 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
                 forward_step_func, data_iterator, model, config.num_microbatches_at(consumed_samples),
                 pstate=pstate, config=config, loss_scale=optimizer.loss_scale)
         fingerprint = rank_fingerprint(reports, model, device) if rerun.names_faulty_ranks else None
+        RECORD.set_step("gradient reduction")
         with timers.phase("grad_reduce"):
             finalize_model_grads(model, pstate, tokens)
         mtp_losses = reduce_mtp_losses(model, config, pstate, device)
         moe_losses = moe_step_losses(model, pstate, config)
+        RECORD.set_step("the optimizer step")
         with timers.phase("optimizer"):
             grad_norm = optimizer.prepare_grads()
             lm_loss, grad_norm, *other_losses = torch.stack(  # one sync
@@ -330,6 +337,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
 
 @torch.no_grad()
 def evaluate(forward_step_func, data_iterator, model, config: Config, pstate: ParallelState, device) -> float:
+    RECORD.set_step("evaluation")
     for chunk in model:
         chunk.eval()
     reports = []
@@ -415,6 +423,7 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                                   pstate.layout.world_size - 1, device) if config.logging.log_straggler else None)
     logger = TrainingLogger(config, device, pstate.layout.world_size, is_logging_rank, stragglers)
     lifecycle.startup_barrier(pstate.timeout)
+    watchdog = start_watchdog(config, pstate)
     history = []
     for chunk in model:
         chunk.train()
@@ -430,6 +439,8 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                                      iteration, device, timers, consumed_samples, rerun)
                 consumed_samples += metrics["global_batch_size"]
                 completed = iteration + 1
+                if watchdog is not None:
+                    watchdog.arm()  # from the end of the first step, which may compile for minutes
                 metrics["consumed_samples"] = consumed_samples
                 if streamed is not None:
                     metrics["loader_tokens_per_sec"] = streamed.loader_tokens_per_sec()
@@ -445,8 +456,9 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                 if checkpointer is not None:
                     checkpointer.maybe_finalize_async_save(blocking=False)
                 if c.save_interval and completed % c.save_interval == 0:
-                    checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer,
-                                                 loader_state(consumed_samples))
+                    with unwatched(watchdog):
+                        checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer,
+                                                     loader_state(consumed_samples))
                     logger.log_checkpoint(completed)
                     logger.reset_timer()
                 reason = exit_conditions.reason(completed)
@@ -459,6 +471,8 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                                              loader_state(consumed_samples))
                 logger.log_checkpoint(completed)
     finally:
+        if watchdog is not None:
+            watchdog.close()
         logger.close()
         memory_history.close()
     return history

@@ -1,0 +1,203 @@
+"""--hang-timeout-seconds: when a rank's progress stops, every rank says where it is and the job stops.
+
+A stuck rank otherwise leaves every other rank waiting in a collective until the process-group timeout
+(--distributed-timeout-minutes), with no word of who. Each rank runs a watchdog thread over its progress
+record (parallel/progress.py: iteration, step, last collective entered and left). When the record has not
+changed for the timeout (default: half the process-group timeout), the rank writes its record and the
+Python stacks of its threads to stderr and publishes the record in the process group's store, which is
+served apart from the collectives that hang. The last rank gathers the records it finds there and prints one
+summary line: which ranks wait in which collective, and which ranks of its group never entered it, with
+their last step ("rank 3 never entered it: its last step was forward of micro-batch 2 of 4"). Then every rank
+exits with HANG_EXIT_CODE, before the process-group timeout, so that torchrun's restarts or the scheduler
+resume the job from its last checkpoint.
+
+The watchdog is armed from the end of the first iteration (which may compile kernels for minutes without a
+collective) to the end of the loop, and not during checkpoint saves (torch.distributed.checkpoint's own
+collectives are not recorded). On CUDA, PyTorch's NCCL Flight Recorder is armed as well (TORCH_NCCL_*
+variables, unless already set), so that NCCL dumps its own record of collectives on a timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+import traceback
+
+import torch.distributed as dist
+
+from megatron_lite.config.sections import Config
+from megatron_lite.parallel import lifecycle
+from megatron_lite.parallel.progress import RECORD, Progress
+from megatron_lite.parallel.state import ParallelState
+
+HANG_EXIT_CODE = 3
+_PREFIX = "megatron_lite/hang/"
+FLIGHT_RECORDER_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def arm_flight_recorder() -> str:
+    """Turn on NCCL's Flight Recorder for this process (before its first NCCL group); returns where it dumps."""
+    for key, value in FLIGHT_RECORDER_ENV.items():
+        os.environ.setdefault(key, value)
+    return os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+
+
+def describe(snapshot: dict, rank: int, group_names: dict[int, str]) -> dict:
+    """A record as JSON-ready values: the group named by its kinds and its global ranks."""
+    group = snapshot["group"]
+    ranks = dist.get_process_group_ranks(group) if group is not None else []
+    return {**snapshot, "rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "group": group_names.get(id(group), "?") if group is not None else None, "group_ranks": ranks}
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def _last_step(record: dict) -> str:
+    where = f"its last step was {record['step']}"
+    if record["iteration"] is not None:
+        where += f" of iteration {record['iteration']}"
+    if record["op"] is not None:
+        where += f", its last collective {record['op']} #{record['count']} over the {record['group']} group"
+    return where
+
+
+def hang_summary(records: dict[int, dict], world_size: int, timeout_s: float) -> str:
+    """One line from the records of the ranks that reported (by global rank). Of the collectives ranks wait
+    in, the one named first is a collective some rank of its group has not entered while not waiting in any
+    other: that rank holds the others up (a rank waiting elsewhere is itself held up)."""
+    head = f"no progress for {timeout_s:g} s (--hang-timeout-seconds)"
+    silent = sorted(set(range(world_size)) - set(records))
+    tail = [f"{_ranks(silent)} did not report (dead, or stopped holding the interpreter)"] if silent else []
+    inside = {rank: (r["op"], r["group"], r["count"]) for rank, r in records.items() if r["inside"]}
+    if not inside:
+        steps = [f"rank {rank}: {_last_step(r)}" for rank, r in sorted(records.items())]
+        return "; ".join([f"{head}: no rank is inside a collective", *steps, *tail])
+    members = {(r["op"], r["group"], r["count"]): r["group_ranks"] for r in records.values() if r["inside"]}
+    waits = collections.Counter(inside.values())
+
+    def holds_up(key) -> bool:
+        return any(rank not in inside for rank in members[key] if inside.get(rank) != key)
+
+    key = max(waits, key=lambda k: (holds_up(k), waits[k]))
+    op, group, count = key
+    waiting = [rank for rank, k in inside.items() if k == key]
+    verb = "is" if len(waiting) == 1 else "are"
+    parts = [f"{head}: {_ranks(waiting)} of the {len(members[key])} in the {group} group {verb} in {op} #{count}"]
+    for rank in sorted(set(members[key]) - set(waiting)):
+        if rank in records and rank not in inside:
+            parts.append(f"rank {rank} never entered it: {_last_step(records[rank])}")
+    for rank, (other_op, other_group, other_count) in sorted(inside.items()):
+        if (other_op, other_group, other_count) != key:
+            parts.append(f"rank {rank} waits in {other_op} #{other_count} over the {other_group} group")
+    return "; ".join(parts + tail)
+
+
+def thread_stacks() -> str:
+    """The Python stack of every thread of this process, the main thread's where it waits included."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    blocks = [f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+              for ident, frame in sys._current_frames().items()]
+    return "\n".join(blocks)
+
+
+class HangWatchdog:
+    """The watchdog thread of one rank; `arm`/`disarm` say when a stopped record counts as a hang."""
+
+    def __init__(self, timeout_s: float, rank: int, world_size: int, group_names: dict[int, str], store,
+                 record: Progress = RECORD, exit_process=os._exit):
+        self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
+        self.group_names, self.record, self.exit_process = group_names, record, exit_process
+        self.store = dist.PrefixStore(_PREFIX, store) if store is not None else None
+        self.armed = False
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self) -> None:
+        self.record.set_step(self.record.step)  # the timeout counts from now
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def close(self) -> None:
+        self.armed = False
+        self._closed.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        poll = min(1.0, self.timeout_s / 10)
+        while not self._closed.wait(poll):
+            if self.armed and self.record.idle_seconds() > self.timeout_s:
+                self.report()
+                self.exit_process(HANG_EXIT_CODE)
+                return
+
+    def report(self) -> str | None:
+        """Write this rank's record and stacks, publish the record; the last rank prints the summary (returned)."""
+        grace = max(10.0, self.timeout_s / 2)
+        killer = threading.Timer(2 * grace, self.exit_process, (HANG_EXIT_CODE,))  # if the store does not answer
+        killer.daemon = True
+        killer.start()
+        mine = describe(self.record.snapshot(), self.rank, self.group_names)
+        sys.stderr.write(f"hang report (rank {self.rank}): {json.dumps(mine)}\n{thread_stacks()}\n")
+        sys.stderr.flush()
+        if self.store is None:
+            return None
+        self.store.set(f"record/{self.rank}", json.dumps(mine))
+        last = self.world_size - 1
+        if self.rank != last:
+            _wait(self.store, ["summary"], grace)  # the last rank prints before any rank's exit ends the job
+            return None
+        records = {self.rank: mine}
+        _wait(self.store, [f"record/{r}" for r in range(self.world_size)], grace)
+        for r in range(self.world_size):
+            if r != self.rank and self.store.check([f"record/{r}"]):
+                records[r] = json.loads(self.store.get(f"record/{r}"))
+        summary = hang_summary(records, self.world_size, self.timeout_s)
+        sys.stderr.write(f"error (rank {self.rank}): {summary}\n")
+        sys.stderr.flush()
+        self.store.set("summary", summary)
+        return summary
+
+
+def _wait(store, keys: list[str], seconds: float) -> None:
+    with contextlib.suppress(RuntimeError):  # some never came: report what did
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+
+
+def hang_timeout_s(config: Config) -> float:
+    """--hang-timeout-seconds, or its default: half the process-group timeout (0: no watchdog)."""
+    t = config.training
+    return t.hang_timeout_seconds if t.hang_timeout_seconds is not None else 30 * t.distributed_timeout_minutes
+
+
+def start_watchdog(config: Config, pstate: ParallelState) -> HangWatchdog | None:
+    """This rank's watchdog, disarmed, for a run of more than one rank with a timeout."""
+    timeout_s = hang_timeout_s(config)
+    if pstate.layout.world_size == 1 or not timeout_s:
+        return None
+    return HangWatchdog(timeout_s, pstate.rank, pstate.layout.world_size, pstate.group_names(),
+                        lifecycle.default_store())
+
+
+@contextlib.contextmanager
+def unwatched(watchdog: HangWatchdog | None):
+    """The block runs with the watchdog disarmed (a checkpoint save), and re-armed after it."""
+    if watchdog is None:
+        yield
+        return
+    watchdog.disarm()
+    try:
+        yield
+    finally:
+        watchdog.arm()

@@ -1,0 +1,27 @@
+"""pretrain_gpt.py with one rank made to sleep inside a step: the subject of the hang report's tests.
+
+SLEEP_RANK sleeps SLEEP_SECONDS in its first forward of iteration SLEEP_ITERATION (1-based, as logged); without
+SLEEP_RANK this is pretrain_gpt.py itself."""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pretrain_gpt  # noqa: E402
+from megatron_lite.parallel.progress import RECORD  # noqa: E402
+
+plain_forward_step = pretrain_gpt.forward_step
+
+
+def forward_step(data_iterator, model):
+    if (os.environ.get("SLEEP_RANK") == os.environ["RANK"]
+            and RECORD.iteration == int(os.environ["SLEEP_ITERATION"])):
+        time.sleep(float(os.environ.get("SLEEP_SECONDS", "600")))
+    return plain_forward_step(data_iterator, model)
+
+
+if __name__ == "__main__":
+    pretrain_gpt.forward_step = forward_step
+    sys.exit(pretrain_gpt.main())
