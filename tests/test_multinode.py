@@ -245,7 +245,7 @@ def test_workers_exit_within_seconds_when_their_launcher_is_killed(tmp_path):
 def test_a_stopped_rank_on_one_node_ends_the_job_on_the_other_within_the_timeout(tmp_path):
     metrics = str(tmp_path / "run.jsonl")
     argv = TINY + ["--global-batch-size", "4", "--train-iters", "100000", "--distributed-timeout-minutes", "0.2",
-                   "--metrics-jsonl", metrics]
+                   "--hang-timeout-seconds", "0", "--metrics-jsonl", metrics]  # the timeout itself, not the report
     agents = Agents(tmp_path, argv)
     try:
         _wait_until(lambda: len(_losses(metrics)) >= 2, 60, "two iterations")

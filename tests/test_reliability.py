@@ -77,7 +77,9 @@ def test_a_diverging_run_stops_before_the_bad_step_and_keeps_the_last_good_check
 
 
 def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout():
-    process = _torchrun(TINY + ["--train-iters", "100000", "--distributed-timeout-minutes", "0.2"])
+    # the process-group timeout itself, without the hang report that would come first (tests/test_hang_report.py)
+    process = _torchrun(TINY + ["--train-iters", "100000", "--distributed-timeout-minutes", "0.2",
+                                "--hang-timeout-seconds", "0"])
     workers = []
     try:
         for line in process.stdout:

@@ -130,16 +130,15 @@ def as_peer_lost_error(error: BaseException) -> PeerLostError | None:
     return PeerLostError(f"another rank died during a collective ({lost.group(0)})")
 
 
-def default_store() -> dist.Store | None:
-    """The store of the default process group (torchrun's, the one `join` made, or a test's), or None. Reports
-    that must get through while collectives hang use it: it is served apart from the process group's
+def report_store(timeout: datetime.timedelta | None) -> dist.Store | None:
+    """A new client of the launcher's store (MASTER_ADDR:MASTER_PORT), or None without one. Reports that must
+    get through while collectives hang use it: the store is served apart from the process group's
     connections."""
-    if not dist.is_initialized():
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (dist.is_initialized() and host and port):
         return None
-    try:
-        return dist.distributed_c10d._get_default_store()  # torch has no public accessor
-    except (RuntimeError, AttributeError):
-        return None
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout or datetime.timedelta(minutes=10),
+                         wait_for_workers=False)
 
 
 def world_group() -> dist.ProcessGroup | None:

@@ -14,18 +14,24 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 
 class Progress:
     def __init__(self):
         self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget earlier runs of this process (their groups may be gone, their ids reused)."""
         self.iteration: int | None = None
         self.step = "start-up"  # 'forward of micro-batch 2', 'optimizer', ...
         self.op: str | None = None  # the last collective
-        self.group = None
+        self.group: int | None = None  # id() of its group: the record keeps no group alive
         self.count = 0  # its number among this group's collectives
         self.inside = False  # entered and not yet left
         self.counts: dict[int, int] = {}  # id(group) -> collectives entered
+        self.group_ranks: dict[int, list[int]] = {}  # id(group) -> its global ranks, read once per group
         self.changed = time.monotonic()
 
     def _touch(self) -> None:
@@ -43,9 +49,12 @@ class Progress:
         """Record being inside collective `op` over `group`: the group's next one, or number `count` (the wait
         on a collective started before); returns its number."""
         with self._lock:
+            key = id(group)
             if count is None:
-                count = self.counts[id(group)] = self.counts.get(id(group), 0) + 1
-            self.op, self.group, self.count, self.inside = op, group, count, True
+                count = self.counts[key] = self.counts.get(key, 0) + 1
+            if key not in self.group_ranks:
+                self.group_ranks[key] = dist.get_process_group_ranks(group)
+            self.op, self.group, self.count, self.inside = op, key, count, True
             self._touch()
             return count
 
@@ -73,10 +82,11 @@ class Progress:
         return time.monotonic() - self.changed
 
     def snapshot(self) -> dict:
-        """The record as plain values; `group` stays the group object (its name and ranks are the reader's)."""
+        """The record as plain values; `group` is the group's id() (naming it is the reader's)."""
         with self._lock:
             return {"iteration": self.iteration, "step": self.step, "op": self.op, "group": self.group,
-                    "count": self.count, "inside": self.inside, "idle_s": self.idle_seconds()}
+                    "group_ranks": self.group_ranks.get(self.group, []), "count": self.count,
+                    "inside": self.inside, "idle_s": self.idle_seconds()}
 
 
 class RecordedWork:

@@ -49,11 +49,10 @@ def arm_flight_recorder() -> str:
 
 
 def describe(snapshot: dict, rank: int, group_names: dict[int, str]) -> dict:
-    """A record as JSON-ready values: the group named by its kinds and its global ranks."""
+    """A record as JSON-ready values, its group named by the kinds it serves."""
     group = snapshot["group"]
-    ranks = dist.get_process_group_ranks(group) if group is not None else []
     return {**snapshot, "rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
-            "group": group_names.get(id(group), "?") if group is not None else None, "group_ranks": ranks}
+            "group": group_names.get(group, "unnamed") if group is not None else None}
 
 
 def _ranks(ranks) -> str:
@@ -186,8 +185,9 @@ def start_watchdog(config: Config, pstate: ParallelState) -> HangWatchdog | None
     timeout_s = hang_timeout_s(config)
     if pstate.layout.world_size == 1 or not timeout_s:
         return None
+    RECORD.reset()
     return HangWatchdog(timeout_s, pstate.rank, pstate.layout.world_size, pstate.group_names(),
-                        lifecycle.default_store())
+                        lifecycle.report_store(pstate.timeout))
 
 
 @contextlib.contextmanager
