@@ -4,9 +4,9 @@ A stuck rank otherwise leaves every other rank waiting in a collective until the
 (--distributed-timeout-minutes), with no word of who. Each rank runs a watchdog thread over its progress
 record (parallel/progress.py: iteration, step, last collective entered and left). When the record has not
 changed for the timeout (default: half the process-group timeout), the rank writes its record and the
-Python stacks of its threads to stderr and publishes the record in the process group's store, which is
-served apart from the collectives that hang. The last rank gathers the records it finds there and prints one
-summary line: which ranks wait in which collective, and which ranks of its group never entered it, with
+Python stacks of its threads to stderr and publishes the record in the launcher's store (MASTER_ADDR:
+MASTER_PORT), served apart from the collectives that hang. The last rank gathers the records it finds there
+and prints one summary line: which ranks wait in which collective, and which ranks of its group never entered it, with
 their last step ("rank 3 never entered it: its last step was forward of micro-batch 2 of 4"). Then every rank
 exits with HANG_EXIT_CODE, before the process-group timeout, so that torchrun's restarts or the scheduler
 resume the job from its last checkpoint.
