@@ -37,15 +37,27 @@ from megatron_lite.parallel.progress import RECORD, Progress
 from megatron_lite.parallel.state import ParallelState
 
 HANG_EXIT_CODE = 3
-_PREFIX = "megatron_lite/hang/"
-FLIGHT_RECORDER_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+FLIGHT_RECORDER_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                       "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/nccl_trace_rank_"}
 
 
-def arm_flight_recorder() -> str:
-    """Turn on NCCL's Flight Recorder for this process (before its first NCCL group); returns where it dumps."""
+def arm_flight_recorder() -> None:
+    """Turn on NCCL's Flight Recorder for this process (before its first NCCL group), unless the user set it."""
     for key, value in FLIGHT_RECORDER_ENV.items():
         os.environ.setdefault(key, value)
-    return os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+
+
+def _flight_recorder_note() -> str:
+    """Where NCCL's Flight Recorder dumps on its timeout, when it is armed."""
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        return ""
+    path = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", FLIGHT_RECORDER_ENV["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"])
+    return f"NCCL Flight Recorder dumps to {path}<rank>\n"
+
+
+def _store_prefix() -> str:
+    """Keys of this attempt only: torchrun's agent store outlives a restart, and with it an earlier hang's keys."""
+    return f"megatron_lite/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def describe(snapshot: dict, rank: int, group_names: dict[int, str]) -> dict:
@@ -115,7 +127,7 @@ class HangWatchdog:
                  record: Progress = RECORD, exit_process=os._exit):
         self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
         self.group_names, self.record, self.exit_process = group_names, record, exit_process
-        self.store = dist.PrefixStore(_PREFIX, store) if store is not None else None
+        self.store = dist.PrefixStore(_store_prefix(), store) if store is not None else None
         self.armed = False
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
@@ -148,7 +160,8 @@ class HangWatchdog:
         killer.daemon = True
         killer.start()
         mine = describe(self.record.snapshot(), self.rank, self.group_names)
-        sys.stderr.write(f"hang report (rank {self.rank}): {json.dumps(mine)}\n{thread_stacks()}\n")
+        sys.stderr.write(f"hang report (rank {self.rank}): {json.dumps(mine)}\n{_flight_recorder_note()}"
+                         f"{thread_stacks()}\n")
         sys.stderr.flush()
         if self.store is None:
             return None
