@@ -21,7 +21,7 @@ LAYERS = (
     ("model",),
     ("pipeline", "optim"),
     ("checkpoint",),
-    ("hf",),
+    ("hf", "megatron_lm"),
     ("planning",),
     ("training",),
     ("inference",),

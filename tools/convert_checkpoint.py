@@ -1,7 +1,9 @@
-"""Convert checkpoints between Hugging Face (llama, qwen2, qwen3, gpt2, mixtral) and megatron_lite, both ways.
+"""Convert checkpoints between Hugging Face (llama, qwen2, qwen3, gpt2, mixtral), Megatron-LM and megatron_lite.
 
     python tools/convert_checkpoint.py --direction hf-to-mlite --load-dir hf/Llama-3.2-1B --save-dir ckpt/llama
     python tools/convert_checkpoint.py --direction mlite-to-hf --load-dir checkpoints/run1 --save-dir hf/run1
+    python tools/convert_checkpoint.py --direction megatron-to-mlite --load-dir megatron/run --save-dir ckpt/run
+    python tools/convert_checkpoint.py --direction mlite-to-megatron --load-dir checkpoints/run1 --save-dir mlm/run1
 
 Both directions stream a layer at a time: each layer's tensors are read, converted, written and freed
 before the next layer's are read, so host memory stays at about two of the largest layer or vocabulary
@@ -19,6 +21,11 @@ mlite-to-hf reads the newest (or --iteration) checkpoint of a run, drops the voc
 optimizer state, and writes config.json + safetensors (sharded above --max-shard-size, with
 model.safetensors.index.json) that transformers.AutoModelForCausalLM.from_pretrained loads, with the
 tokenizer files of the checkpoint (or of the run's --tokenizer-model) when there are any.
+
+megatron-to-mlite reads a Megatron-LM checkpoint (torch_dist or torch format, any TP/PP) and writes an
+ordinary checkpoint at its iteration and consumed samples, with config.yaml holding the Megatron flags it
+was trained with under this framework's names; mlite-to-megatron writes Megatron-LM's torch_dist format
+(megatron_lite/megatron_lm/convert.py says what each carries).
 """
 
 from __future__ import annotations
@@ -158,18 +165,60 @@ def mlite_to_hf(args) -> str:
     return args.save_dir
 
 
+def megatron_to_mlite(args) -> str:
+    from megatron_lite.megatron_lm.convert import megatron_to_mlite as convert  # torch: once the flags are read
+    from megatron_lite.megatron_lm.convert import resume_flags
+
+    _empty_target(args.save_dir)
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    path, config, summary = convert(args.load_dir, args.save_dir, tp, pp, _layer_progress("converting Megatron-LM"))
+    config_file = os.path.join(args.save_dir, "config.yaml")
+    with open(config_file, "w", encoding="utf-8") as f:
+        yaml.safe_dump(resume_flags(config, summary["carried"]), f, sort_keys=False)
+    ignored = summary["ignored"]
+    print(f"note: {len(ignored)} Megatron-LM flags of the source have no meaning here and were not carried "
+          f"(listed under 'megatron' in {os.path.join(path, 'metadata.json')}): {', '.join(ignored[:8])}"
+          f"{', ...' if len(ignored) > 8 else ''}", file=sys.stderr)
+    print(f"converted {summary['source']} ({summary['format']}, iteration {summary['iteration']}, "
+          f"{summary['consumed_samples']} samples consumed) to {path}\n"
+          f"continue the run: pretrain_gpt.py --config {config_file} --load {args.save_dir} --no-load-optim "
+          f"--save {args.save_dir} --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} ...")
+    return path
+
+
+def mlite_to_megatron(args) -> str:
+    from megatron_lite.megatron_lm.convert import mlite_to_megatron as convert  # torch: once the flags are read
+
+    _empty_target(args.save_dir)
+    layout = {"tensor_model_parallel_size": args.target_tensor_parallel_size,
+              "pipeline_model_parallel_size": args.target_pipeline_parallel_size, "expert_model_parallel_size": 1}
+    path = convert(args.load_dir, args.save_dir, args.iteration, layout, _layer_progress("converting to Megatron-LM"))
+    print(f"exported {args.load_dir} as a Megatron-LM torch_dist checkpoint: {path}\n"
+          f"load it in Megatron-LM: --load {args.save_dir} --ckpt-format torch_dist --use-checkpoint-args "
+          f"--no-load-optim --no-load-rng (any TP/PP; the vocabulary is padded for TP"
+          f"{args.target_tensor_parallel_size})")
+    return path
+
+
+DIRECTIONS = {"hf-to-mlite": hf_to_mlite, "mlite-to-hf": mlite_to_hf, "megatron-to-mlite": megatron_to_mlite,
+              "mlite-to-megatron": mlite_to_megatron}
+
+
 def build_parser() -> ToolParser:
     parser = ToolParser(prog="convert_checkpoint.py", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--direction", required=True, choices=["hf-to-mlite", "mlite-to-hf"])
-    parser.add_argument("--load-dir", required=True, help="HF model directory, or megatron_lite checkpoint "
-                                                          "directory (a --save dir or one iter_XXXXXXX in it)")
+    parser.add_argument("--direction", required=True, choices=list(DIRECTIONS))
+    parser.add_argument("--load-dir", required=True, help="HF model directory, Megatron-LM checkpoint directory, or "
+                                                          "megatron_lite checkpoint directory (a --save dir or one "
+                                                          "iter_XXXXXXX in it)")
     parser.add_argument("--save-dir", required=True, type=output_directory, help="new (or empty) directory to write")
     parser.add_argument("--target-tensor-parallel-size", type=positive_int, default=1,
-                        help="hf-to-mlite: check the model splits over this TP size (any layout can load it)")
+                        help="hf/megatron-to-mlite: check the model splits over this TP size (any layout can load "
+                             "it); mlite-to-megatron: pad the vocabulary as Megatron-LM does at this TP size")
     parser.add_argument("--target-pipeline-parallel-size", type=positive_int, default=1,
-                        help="hf-to-mlite: check the layers split over this many pipeline stages")
-    parser.add_argument("--iteration", type=non_negative_int, help="mlite-to-hf: which iteration (default: the newest)")
+                        help="hf/megatron-to-mlite: check the layers split over this many pipeline stages")
+    parser.add_argument("--iteration", type=non_negative_int,
+                        help="mlite-to-hf, mlite-to-megatron: which iteration (default: the newest)")
     parser.add_argument("--max-shard-size", type=shard_size, default="5GB",
                         help="mlite-to-hf: safetensors files up to this size, e.g. 5GB, 500MB (default 5GB)")
     return parser
@@ -190,7 +239,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
     try:
-        (hf_to_mlite if args.direction == "hf-to-mlite" else mlite_to_hf)(args)
+        DIRECTIONS[args.direction](args)
     except UserError as error:  # ConversionError, CheckpointError, a DataError of a carried tokenizer file
         sys.exit(f"convert_checkpoint.py: error: {error}")
     except OSError as error:  # a directory that cannot be written, a full disk

@@ -150,6 +150,9 @@ _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
                  "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {  # the cached save plans Megatron-Core's planner keeps in its index (plain dataclasses of torch's)
+    ("torch.distributed.checkpoint.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType",
+                                                                 "TensorWriteData")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.storage", "_StorageInfo"),

@@ -39,26 +39,35 @@ from megatron_lite.checkpoint.sharded import ShardedTensor
 
 
 class PartsWriter(FileSystemWriter):
-    """Writes `save(part)` calls (dicts of global name -> whole tensor) into one DCP directory; `close` writes
-    its index. A name may appear in one part only."""
+    """Writes `save(part)` calls (dicts of global name -> whole tensor) and `save_boxes(part)` calls into one DCP
+    directory; `close` writes its index. A box of a tensor may appear in one part only."""
 
     def __init__(self, path: str):
         super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1)
         self.parts = 0
         self._entries: dict = {}  # Metadata.state_dict_metadata of every part so far
+        self._offsets: dict[str, set] = {}  # the global offsets of the boxes written so far, per tensor
         self._results: list = []  # the WriteResults (where each chunk's bytes are) of every part so far
         self._flusher = ThreadPoolExecutor(max_workers=1)
         self._flushes = []
 
     def save(self, tensors: dict[str, torch.Tensor]) -> None:
         """Write one part, whole tensors under their global names; the caller may drop them afterwards."""
-        repeated = sorted(tensors.keys() & self._entries.keys())
-        if repeated:
-            raise ValueError(f"'{repeated[0]}' is in two parts of {self.path}")
-        pieces = [ShardedTensor.whole(name, tensor.contiguous()) for name, tensor in tensors.items()]
+        self.save_boxes([ShardedTensor.whole(name, tensor.contiguous()) for name, tensor in tensors.items()])
+
+    def save_boxes(self, pieces: list[ShardedTensor]) -> None:
+        """Write one part given as boxes of global tensors: a tensor may be written a box per part (a layer of
+        a tensor stacking the layers on a leading axis), each box once."""
+        boxes = {(piece.key, tuple(piece.global_offset)) for piece in pieces}
+        repeated = sorted(key for key, offset in boxes if offset in self._offsets.get(key, ()))
+        if repeated or len(boxes) < len(pieces):
+            raise ValueError(f"a box of '{repeated[0] if repeated else pieces[0].key}' is in two parts of {self.path}")
+        pieces = [dataclasses.replace(piece, data=piece.data.contiguous()) for piece in pieces]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
             dcp.save(state_dict_of(pieces), planner=ShardedSavePlanner(pieces), storage_writer=self, no_dist=True)
+        for key, offset in boxes:
+            self._offsets.setdefault(key, set()).add(offset)
         for name in sorted({result.storage_data.relative_path for result in self._results[-1]}):
             self._flushes.append(self._flusher.submit(directory.fsync, os.path.join(self.path, name)))
         self.parts += 1
@@ -70,8 +79,13 @@ class PartsWriter(FileSystemWriter):
                 for plan in plans]
 
     def finish(self, metadata: Metadata, results) -> None:
-        """The end of one part's save: its entries are kept for the index that `close` writes."""
-        self._entries.update(metadata.state_dict_metadata)
+        """The end of one part's save: its entries are kept for the index that `close` writes (the chunks of a
+        tensor written over several parts joined)."""
+        for key, entry in metadata.state_dict_metadata.items():
+            if key in self._entries:
+                self._entries[key].chunks.extend(entry.chunks)
+            else:
+                self._entries[key] = entry
         self._results += results
 
     def close(self) -> None:
