@@ -39,8 +39,8 @@ from megatron_lite.checkpoint.sharded import ShardedTensor
 
 
 class PartsWriter(FileSystemWriter):
-    """Writes `save(part)` calls (dicts of global name -> whole tensor) and `save_boxes(part)` calls into one DCP
-    directory; `close` writes its index. A box of a tensor may appear in one part only."""
+    """Writes `save(part)` calls (dicts of global name -> whole tensor), `save_boxes(part)` and `save_objects(part)`
+    calls into one DCP directory; `close` writes its index. A box of a tensor may appear in one part only."""
 
     def __init__(self, path: str):
         super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1)
@@ -70,6 +70,13 @@ class PartsWriter(FileSystemWriter):
             self._offsets.setdefault(key, set()).add(offset)
         for name in sorted({result.storage_data.relative_path for result in self._results[-1]}):
             self._flushes.append(self._flusher.submit(directory.fsync, os.path.join(self.path, name)))
+        self.parts += 1
+
+    def save_objects(self, objects: dict) -> None:
+        """Write one part of plain values under their keys (DCP's byte entries: each a torch.save record)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            dcp.save(dict(objects), storage_writer=self, no_dist=True)
         self.parts += 1
 
     def prepare_global_plan(self, plans):

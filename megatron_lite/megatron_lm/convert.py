@@ -165,15 +165,20 @@ def _stacked(config: Config) -> bool:
     return not config.model.num_experts or (isinstance(freq, int) and freq <= 1)
 
 
-def _megatron_boxes(name: str, tensor: torch.Tensor, config: Config, vocab_rows: int,
-                    moe_layers: list[bool]) -> list[ShardedTensor]:
-    """The boxes of Megatron-Core's tensors that our tensor `name` makes."""
+_NO_EXTRA_STATE = [None]  # what Megatron-Core saves for a module without extra state (a list of the shards' data)
+
+
+def _megatron_entries(name: str, tensor: torch.Tensor, config: Config, vocab_rows: int,
+                      moe_layers: list[bool]) -> tuple[list[ShardedTensor], dict[str, list]]:
+    """The boxes of Megatron-Core's tensors that our tensor `name` makes, and the `_extra_state` entries
+    Megatron-Core requests beside a layer's linear weight (one ShardedObject per place along the stacked
+    axes, keyed `<module>._extra_state/shard_<place>_<stacked shape>`)."""
     m = config.model
     split = names.split_layer_name(name)
     if split is None:
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             tensor = torch.cat([tensor, tensor.new_zeros(vocab_rows - tensor.shape[0], *tensor.shape[1:])])
-        return [ShardedTensor.whole(name, tensor)]
+        return [ShardedTensor.whole(name, tensor)], {}
     layer, rest = split
     key, expert = names.megatron_layer_key(rest)
     keys = [key]
@@ -186,7 +191,13 @@ def _megatron_boxes(name: str, tensor: torch.Tensor, config: Config, vocab_rows:
     else:
         prefix = f"decoder.layers.{layer}."
     box = tensor.reshape((1,) * len(index) + tuple(tensor.shape))
-    return [ShardedTensor(prefix + k, box, (*shape, *tensor.shape), (*index, *(0,) * tensor.dim())) for k in keys]
+    boxes = [ShardedTensor(prefix + k, box, (*shape, *tensor.shape), (*index, *(0,) * tensor.dim())) for k in keys]
+    module, _, parameter = (prefix + key).rpartition(".")
+    extra = {}
+    if parameter == "weight" and module.rsplit(".", 1)[-1].startswith("linear_"):
+        place = ".".join(map(str, index)) or "0"
+        extra[f"{module}._extra_state/shard_{place}_{'.'.join(map(str, shape)) or '1'}"] = _NO_EXTRA_STATE
+    return boxes, extra
 
 
 def mlite_to_megatron(load_dir: str, save_dir: str, iteration: int | None, layout: dict, progress=iter) -> str:
@@ -206,8 +217,14 @@ def mlite_to_megatron(load_dir: str, save_dir: str, iteration: int | None, layou
     sources = {name: names.Source(name) for name in checkpoint.entries}
     for unit in progress(list(_units(sources))):
         tensors = checkpoint.read(unit)
-        writer.save_boxes([box for name, tensor in tensors.items()
-                           for box in _megatron_boxes(name, tensor, config, vocab_rows, moe_layers)])
+        boxes, extra_states = [], {}
+        for name, tensor in tensors.items():
+            more_boxes, more_states = _megatron_entries(name, tensor, config, vocab_rows, moe_layers)
+            boxes += more_boxes
+            extra_states.update(more_states)
+        writer.save_boxes(boxes)
+        if extra_states:
+            writer.save_objects(extra_states)
     writer.close()
     common = {"args": megatron_args(config, layout, consumed, iteration), "checkpoint_version": 3.0,
               "iteration": iteration, "opt_param_scheduler": _scheduler_state(config, consumed),
