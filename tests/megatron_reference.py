@@ -1,18 +1,19 @@
 """Megatron-Core itself, on CPU with gloo, as the reference for the Megatron-LM checkpoint tests.
 
-    torchrun --nproc-per-node 4 tests/megatron_reference.py save OUT          (TP2 x PP2)
-    torchrun --nproc-per-node 2 tests/megatron_reference.py logits OUT CKPT... (TP2)
+    torchrun --nproc-per-node 4 tests/megatron_reference.py save OUT                          (TP2 x PP2)
+    torchrun --nproc-per-node 2 tests/megatron_reference.py logits OUT KIND=ITERATION_DIR...   (TP2)
 
 `save` builds Megatron-Core GPTModels with the local (non-Transformer-Engine) spec from a seed, a dense
 Llama-style one (GQA, SwiGLU, RMSNorm, RoPE, untied) and an MoE one (a dense first layer, then routed and
 shared experts), and saves them as Megatron-LM does (megatron/training/checkpointing.py: the args Namespace,
 iteration, scheduler state and sharded model in one state dict): the dense model in both formats
 (`OUT/dense_dist` torch_dist through `dist_checkpointing.save`, `OUT/dense_torch` as per-rank
-`mp_rank_TT_PPP/model_optim_rng.pt`), the MoE one as torch_dist (`OUT/moe_dist`). `logits` loads each
-named torch_dist checkpoint at TP2 with `dist_checkpointing.load` (Megatron-Core's own resharding) and
-writes the logits of fixed tokens to `OUT/logits.pt`. The CUDA calls Megatron-Core makes on this path
-(stream synchronisation, the device of a flag tensor, the model-parallel RNG tracker) are patched to no-ops, and
-the router's Transformer Engine GEMM, which megatron-core leaves undefined without Transformer Engine, to None.
+`mp_rank_TT_PPP/model_optim_rng.pt`), the MoE one as torch_dist (`OUT/moe_dist`). `logits` loads each named
+torch_dist iteration (KIND dense or moe: the model to build) at TP2 with `dist_checkpointing.load`
+(Megatron-Core's own resharding) and writes the logits of fixed tokens to `OUT/logits.pt`. The CUDA calls
+Megatron-Core makes on this path (stream synchronisation, the device of a flag tensor, the model-parallel RNG
+tracker) are patched to no-ops, and the router's Transformer Engine GEMM, which megatron-core leaves undefined
+without Transformer Engine, to None.
 """
 
 from __future__ import annotations
@@ -143,8 +144,9 @@ def logits(out: str, checkpoints: list[str]) -> None:
     found = {}
     ids = token_ids()
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    for path in checkpoints:
-        model = build_model(2, 1, moe="moe" in os.path.basename(os.path.dirname(path.rstrip("/"))))
+    for kind_and_path in checkpoints:
+        kind, path = kind_and_path.split("=", 1)
+        model = build_model(2, 1, moe=kind == "moe")
         request = {"model": model.sharded_state_dict()}
         model.load_state_dict(dist_checkpointing.load(request, path)["model"])
         model.eval()

@@ -73,10 +73,12 @@ def flags_from_megatron(args: argparse.Namespace | dict, source: str) -> ArgsMap
     values = {name: given[name] for name in carried_names() if given.get(name) is not None}
     values["vocab_size"] = int(given["padded_vocab_size"])
     values["disable_bias_linear"] = not given.get("add_bias_linear", True)
-    if values.get("tokenizer_type") not in (None, *TOKENIZER_TYPES):
-        values.pop("tokenizer_type")
-        values.pop("tokenizer_model", None)
+    dropped = set()
+    if values.get("tokenizer_type") not in (None, *TOKENIZER_TYPES):  # e.g. GPT2BPETokenizer: pass another
+        dropped = {"tokenizer_type", "tokenizer_model"}
+        values = {name: value for name, value in values.items() if name not in dropped}
     used = {*(name for name in carried_names() if name in given), *REFUSED, "padded_vocab_size", "add_bias_linear"}
+    used -= dropped
     return ArgsMapping(values, sorted(name for name in given if name not in used))
 
 

@@ -88,7 +88,7 @@ def config_from_megatron_flags(values: dict, tp: int, pp: int, source: str) -> t
     config.data.mock_data = False
     for name in data:
         setattr(config.data, name, values[name])
-    return config, sorted(set(values) - set(acting))
+    return config, sorted(name for name in set(values) - set(acting) if values[name] is not False)
 
 
 def _units(sources: dict[str, names.Source]) -> Iterator[dict[str, names.Source]]:
