@@ -28,12 +28,14 @@ from megatron_lite.config.arguments import make_config
 from megatron_lite.hf.checkpoint import resolve_checkpoint
 from megatron_lite.inference.generation import load_model
 from megatron_lite.model.gpt import gather_vocab_logits
+from megatron_lite.optim.builder import build_optimizer
+from megatron_lite.optim.finalize_grads import finalize_model_grads
 from megatron_lite.training.loop import build_model, get_schedule, initialize, pretrain
 from tests.harness import run_on_ranks
 from tests.helpers import convert
-from tests.megatron_reference import GLOBAL_BATCH, ITERATION, SEQ, VOCAB, token_ids
+from tests.megatron_reference import GLOBAL_BATCH, ITERATION, SECOND_STEP, SEQ, VOCAB, token_ids
 from tests.test_hf_conversion import one_line_error
-from tests.tolerances import assert_close_relative
+from tests.tolerances import assert_close_in_norm, assert_close_relative
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERATION_DIR = f"iter_{ITERATION:07d}"
@@ -203,6 +205,46 @@ def test_checkpoints_exported_here_load_into_megatron_core_at_tp2(converted, con
     assert common["iteration"] == ITERATION + 2
     assert common["args"].consumed_train_samples == (ITERATION + 2) * GLOBAL_BATCH
     assert common["opt_param_scheduler"]["num_steps"] == (ITERATION + 2) * GLOBAL_BATCH
+
+
+def _second_step(path: str, flags: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load a converted checkpoint with its optimizer state (as --load does), take SECOND_STEP as
+    tests/megatron_reference.py's `step` takes it (no clipping): the logits of token_ids() before and after."""
+    config = make_config({**flags, "mock_data": True, "load": path, "clip_grad": 0.0, "device": "cpu"}, 1)
+    pstate, device = initialize(config)
+    model = build_model(config, pstate, pretrain_gpt.model_provider, device)
+    optimizer = build_optimizer(config, model, pstate)
+    Checkpointer(config, pstate, device).load_checkpoint(model, optimizer)
+    with torch.no_grad():
+        before = model[0](token_ids(), torch.arange(SEQ))[..., :VOCAB]
+    seed, lr = SECOND_STEP
+    tokens = token_ids(seed, SEQ + 1)
+    model[0].zero_grad_buffer()
+    model[0](tokens[:, :-1], torch.arange(SEQ), labels=tokens[:, 1:]).sum().backward()
+    finalize_model_grads(model, pstate, torch.tensor(float(tokens[:, 1:].numel())))
+    optimizer.step(lr)
+    model[0].eval()
+    with torch.no_grad():
+        return before, model[0](token_ids(), torch.arange(SEQ))[..., :VOCAB]
+
+
+def test_adam_state_converted_with_the_model_gives_megatron_cores_next_step(saved, tmp_path):
+    """Megatron-Core (its DDP and Adam, not the distributed optimizer) takes a step and saves model and
+    optimizer; converted here, the next step from the loaded moments and step count moves the logits as
+    Megatron-Core's own next step does.
+
+    Compared in norm, relative to the step's change: Adam divides by the root of the second moment, so an
+    element whose gradient is near zero (cancelling terms, rounded differently at TP2 there and TP1 here)
+    moves by up to the learning rate either way. Megatron-Core's and this framework's first steps from equal
+    weights and zero moments differ by 6e-4 of the change this way; starting the second step from zero moments
+    instead of the loaded ones differs by 0.48."""
+    megatron(2, "step", str(tmp_path), str(saved / "dense_dist" / ITERATION_DIR))
+    convert("--direction", "megatron-to-mlite", "--load-dir", str(tmp_path / "dense_optim"), "--save-dir",
+            str(tmp_path / "converted"))
+    written = yaml.safe_load((tmp_path / "converted" / f"iter_{ITERATION + 1:07d}" / "metadata.json").read_text())
+    assert written["megatron"]["optimizer_state"] == "read" and written["optimizer"]["optimizer.step"] == 1
+    before, after = run_on_ranks(1, _second_step, str(tmp_path / "converted"), resume_flags(tmp_path / "converted"))[0]
+    assert_close_in_norm(after - before, torch.load(tmp_path / "step_logits.pt") - before, rel=5e-3)
 
 
 # -------------------------------------------------------------------------------------------------------

@@ -179,10 +179,14 @@ def megatron_to_mlite(args) -> str:
     print(f"note: {len(ignored)} Megatron-LM flags of the source have no meaning here and were not carried "
           f"(listed under 'megatron' in {os.path.join(path, 'metadata.json')}): {', '.join(ignored[:8])}"
           f"{', ...' if len(ignored) > 8 else ''}", file=sys.stderr)
+    with_optimizer = summary["optimizer_state"] == "read"
+    if not with_optimizer:
+        print(f"note: optimizer state {summary['optimizer_state']}; resume with --no-load-optim", file=sys.stderr)
     print(f"converted {summary['source']} ({summary['format']}, iteration {summary['iteration']}, "
-          f"{summary['consumed_samples']} samples consumed) to {path}\n"
-          f"continue the run: pretrain_gpt.py --config {config_file} --load {args.save_dir} --no-load-optim "
-          f"--save {args.save_dir} --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} ...")
+          f"{summary['consumed_samples']} samples consumed{', with Adam state' if with_optimizer else ''}) to {path}\n"
+          f"continue the run: pretrain_gpt.py --config {config_file} --load {args.save_dir} "
+          f"{'' if with_optimizer else '--no-load-optim '}--save {args.save_dir} --tensor-model-parallel-size {tp} "
+          f"--pipeline-model-parallel-size {pp} ...")
     return path
 
 

@@ -43,11 +43,13 @@ _RUN_CHOICES = {"model_preset", "recompute_granularity", "recompute_num_layers",
 
 
 def write_model_checkpoint(root: str, parts: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]],
-                           config: Config, extra: dict, iteration: int = 0, consumed_samples: int = 0) -> str:
+                           config: Config, extra: dict, iteration: int = 0, consumed_samples: int = 0,
+                           optimizer: dict | None = None) -> str:
     """Commit the tensors (global names, unpadded vocabulary) as `iteration` (with `consumed_samples` trained
     on) of checkpoint directory `root`: `parts` is one dict of them, or an iterable of dicts (e.g. a generator
-    converting a layer at a time), each written before the next is asked for. `extra` joins metadata.json
-    (e.g. the source config.json). Returns the iteration directory."""
+    converting a layer at a time), each written before the next is asked for. `optimizer` holds the plain
+    values of the optimizer state when the parts hold its tensors (`optimizer.state.*`). `extra` joins
+    metadata.json (e.g. the source config.json). Returns the iteration directory."""
     if directory.complete_iterations(root):
         raise ConversionError(f"{root} already holds a checkpoint; choose an empty --save-dir")
     written = directory.prepare(root, iteration)
@@ -59,7 +61,8 @@ def write_model_checkpoint(root: str, parts: Mapping[str, torch.Tensor] | Iterab
     writer.close()
     files = checksums.records_of(written, sorted(os.listdir(written)))  # verified when a run loads it
     p = config.parallel
-    metadata = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples, "optimizer": {},
+    metadata = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                "optimizer": optimizer or {},
                 "layout": {"tp": p.tensor_model_parallel_size, "cp": 1, "dp": 1,
                            "pp": p.pipeline_model_parallel_size, "ep": 1, "vp": None},
                 "rng_layout": CONVERTED_RNG_LAYOUT, "config": config.to_dict(),

@@ -8,9 +8,9 @@
                     model_optim_rng.pt      (args, iteration, scheduler, the rank's own parameter shards)
 
 `open_checkpoint` finds the iteration directory and tells the two formats apart; each reader gives the saved
-state (the pickle without its tensors), the global shape of every model tensor under Megatron's key, and
-reads tensors (or single layers of stacked ones) on request: torch_dist reads just those boxes, torch a
-pipeline stage's files at a time.
+state (the pickle without its tensors), the global shape of every tensor under Megatron's key (the model's,
+and for torch_dist the optimizer's), and reads tensors (or single layers of stacked ones) on request:
+torch_dist reads just those boxes, torch a pipeline stage's files at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from megatron_lite.megatron_lm.pickles import load_megatron_pickle
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
-_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 
 
 def is_megatron_iteration(path: str) -> bool:
@@ -105,10 +105,11 @@ class TorchDistCheckpoint:
             raise CheckpointError(f"{path} has no .metadata: the torch_dist checkpoint is incomplete")
         index = SafeFileSystemReader(path).read_metadata().state_dict_metadata
         self.shapes = {key: tuple(entry.size) for key, entry in index.items()
-                       if isinstance(entry, TensorStorageMetadata) and key.startswith(_MODEL_PREFIXES)
-                       and not is_extra_state(key)}
+                       if isinstance(entry, TensorStorageMetadata) and not is_extra_state(key)}
         self.dtypes = {key: index[key].properties.dtype for key in self.shapes}
-        self.optimizer_keys = sorted(key for key in index if key.startswith("optimizer."))
+
+    def model_keys(self) -> list[str]:
+        return [key for key in self.shapes if key.startswith(MODEL_PREFIXES)]
 
     def read(self, sources: dict[str, Source]) -> dict[str, torch.Tensor]:
         """Our tensors, by name, each read from its Source (a layer of a stacked key reads just that box)."""

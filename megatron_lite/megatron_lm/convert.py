@@ -5,8 +5,9 @@ are global), maps its saved flags to ours (arguments.py), checks that its tensor
 of the model those flags build here (a layer count that disagrees with the flags, a tensor too many or too
 few, a wrong shape: one line each), and writes an ordinary checkpoint at the source's iteration and consumed
 samples, so `pretrain_gpt.py --load` continues the run: the iteration count, the data position and the
-learning-rate schedule go on (the schedule is a function of the iteration and the carried flags). The
-optimizer's moments are not read yet: resume with --no-load-optim (Adam starts from zero moments).
+learning-rate schedule go on (the schedule is a function of the iteration and the carried flags), and Adam's
+moments and step count where the checkpoint holds them in model space (optimizer_state.py; otherwise the run
+resumes with --no-load-optim and Adam starts from zero moments).
 
 mlite_to_megatron writes one iteration of a torch_dist checkpoint that Megatron-Core's
 `dist_checkpointing.load` reads at any TP/PP/EP: the global tensors under Megatron-Core's keys (layers
@@ -21,6 +22,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 
 import torch
@@ -44,11 +46,13 @@ from megatron_lite.hf.configs import ConversionError
 from megatron_lite.megatron_lm import names
 from megatron_lite.megatron_lm.arguments import flags_from_megatron, megatron_args
 from megatron_lite.megatron_lm.checkpoint import TRACKER_FILE, open_checkpoint, read_in_units, saved_args
+from megatron_lite.megatron_lm.optimizer_state import OptimizerState, optimizer_state
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.moe.layer import moe_mlp_factory
 from megatron_lite.model.sharding import initialization_skipped
 from megatron_lite.parallel.state import ParallelState
 
+_OPTIMIZER_KEY = re.compile(r"^optimizer\.state\.\w+?\.(?=embedding\.|decoder\.|output_layer\.|mtp\.)")
 _DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                   "common_backend_version": 1}
 
@@ -92,12 +96,13 @@ def config_from_megatron_flags(values: dict, tp: int, pp: int, source: str) -> t
 
 
 def _units(sources: dict[str, names.Source]) -> Iterator[dict[str, names.Source]]:
-    """The sources grouped as a streamed conversion reads them: each decoder layer, every other tensor alone."""
+    """The sources grouped as a streamed conversion reads them: each decoder layer (with its optimizer state),
+    every other tensor alone."""
     layers, others = {}, {}
     for name, source in sources.items():
-        split = names.split_layer_name(name)
+        split = names.split_layer_name(_OPTIMIZER_KEY.sub("", name))
         (layers.setdefault(split[0], {}) if split else others)[name] = source
-    for name in [n for n in others if n.startswith("embedding.")]:
+    for name in [n for n in others if _OPTIMIZER_KEY.sub("", n).startswith("embedding.")]:
         yield {name: others.pop(name)}
     for layer in sorted(layers):
         yield layers[layer]
@@ -130,18 +135,22 @@ def megatron_to_mlite(load_dir: str, save_dir: str, tp: int, pp: int, progress=i
     mapping = flags_from_megatron(args, reader.path)
     config, not_acting = config_from_megatron_flags(mapping.values, tp, pp, reader.path)
     sources = {}
-    for key, shape in reader.shapes.items():
-        sources.update(names.our_names(key, shape))
+    for key in reader.model_keys():
+        sources.update(names.our_names(key, reader.shapes[key]))
     _check_tensors(reader, sources, expected_tensors(config), config.model.num_layers, reader.path)
     iteration = int(reader.saved.get("iteration", named_iteration or 0))
     consumed = int(getattr(args, "consumed_train_samples", 0) or 0)
+    optimizer = optimizer_state(reader, sources, has_masters=config.optimizer.bf16 or config.optimizer.fp16)
     summary = {"source": os.path.abspath(reader.path), "format": reader.format, "iteration": iteration,
                "consumed_samples": consumed, "carried": sorted(set(mapping.values) - set(not_acting)),
                "ignored": [*mapping.ignored, *not_acting],
-               "optimizer_state_read": False}
+               "optimizer_state": "read" if isinstance(optimizer, OptimizerState) else f"not read: {optimizer}"}
+    if isinstance(optimizer, OptimizerState):
+        sources.update(optimizer.sources)
     units = list(_units(sources))
     path = write_model_checkpoint(save_dir, read_in_units(reader, progress(units)), config, {"megatron": summary},
-                                  iteration=iteration, consumed_samples=consumed)
+                                  iteration=iteration, consumed_samples=consumed,
+                                  optimizer=optimizer.values if isinstance(optimizer, OptimizerState) else None)
     return path, config, summary
 
 

@@ -68,6 +68,9 @@ class TorchCheckpoint:
                 self.shapes[key] = tuple(_joined_shape(key, [shard.shape for shard in shards]))
         self._stage, self._joined = None, {}
 
+    def model_keys(self) -> list[str]:
+        return list(self.shapes)
+
     def _layer_offsets(self) -> list[int]:
         """The global number of each stage's first layer: the layers of the stages before it."""
         offsets, total = [], 0
