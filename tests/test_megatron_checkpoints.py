@@ -283,6 +283,9 @@ def test_damaged_or_unfamiliar_megatron_checkpoints_are_one_line(saved, tmp_path
     message = one_line_error("--direction", "megatron-to-mlite", "--load-dir", str(copy), "--save-dir",
                              str(tmp_path / "out3"))
     assert "holds 4 decoder layers, but its args say --num-layers 6" in message
+    _rewrite_common(copy, args=argparse.Namespace(**{**vars(args), "multi_latent_attention": True}))
+    assert "--multi-latent-attention True: such checkpoints are not read" in one_line_error(
+        "--direction", "megatron-to-mlite", "--load-dir", str(copy), "--save-dir", str(tmp_path / "out6"))
     _rewrite_common(copy, args=argparse.Namespace(**{**vars(args), "apply_layernorm_1p": True}))
     assert "--apply-layernorm-1p True" in one_line_error("--direction", "megatron-to-mlite", "--load-dir", str(copy),
                                                           "--save-dir", str(tmp_path / "out4"))
