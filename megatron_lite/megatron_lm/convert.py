@@ -216,6 +216,9 @@ def mlite_to_megatron(load_dir: str, save_dir: str, iteration: int | None, layou
     checkpoint = ModelCheckpoint(path)
     config = config_from_metadata(checkpoint.saved)
     m = config.model
+    if m.multi_latent_attention or m.mtp_num_layers:
+        raise ConversionError(f"{path} has multi-latent attention or multi-token prediction, which are not written "
+                              f"in Megatron-LM's format yet; export it with --direction mlite-to-hf instead")
     iteration, consumed = checkpoint.saved["iteration"], checkpoint.saved["consumed_samples"]
     vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, layout["tensor_model_parallel_size"])
     moe_layers = moe_layer_pattern(m) if m.num_experts else [False] * m.num_layers
