@@ -25,6 +25,7 @@ LAYERS = (
     ("planning",),
     ("training",),
     ("inference",),
+    ("evaluation",),
 )
 MAX_TOP_LEVEL_MODULES = 3
 MAX_LINES = 600

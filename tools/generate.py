@@ -14,31 +14,15 @@ run's --tokenizer-model. Greedy unless --top-k, --top-p or --temperature ask for
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_lite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_lite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
 from megatron_lite.inference.sampling_params import SamplingParams  # noqa: E402
 from megatron_lite.tool_args import ToolParser, non_negative_int, positive_int, seed  # noqa: E402
-
-
-def find_tokenizer(path: str, config, tokenizer_type: str | None, tokenizer_model: str | None):
-    """The tokenizer named here, else the one carried in the checkpoint directory, else the run's; or None."""
-    if tokenizer_type is not None:
-        return build_tokenizer(tokenizer_type, tokenizer_model, config.model.vocab_size)
-    root = os.path.dirname(os.path.abspath(path))
-    if os.path.isfile(os.path.join(root, "tokenizer.json")):
-        return build_tokenizer("HuggingFaceTokenizer", root)
-    if os.path.isfile(os.path.join(root, "tokenizer.model")):
-        return build_tokenizer("SentencePieceTokenizer", os.path.join(root, "tokenizer.model"))
-    data = config.data
-    if data.tokenizer_type != "NullTokenizer" and data.tokenizer_model and os.path.exists(data.tokenizer_model):
-        return build_tokenizer(data.tokenizer_type, data.tokenizer_model)
-    return None
 
 
 def build_parser() -> ToolParser:
@@ -92,6 +76,7 @@ def generate_from(args, parser: ToolParser, sampling: SamplingParams) -> int:
     import torch
 
     from megatron_lite.hf.checkpoint import resolve_checkpoint
+    from megatron_lite.inference.checkpoint_tokenizer import find_tokenizer
     from megatron_lite.inference.generation import generate, load_model
     from megatron_lite.training.loop import resolve_device
 

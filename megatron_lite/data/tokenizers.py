@@ -63,12 +63,13 @@ class SentencePieceTokenizer:
                             f"train it with tools/train_tokenizer.py")
         self.eod = self._sp.eos_id()
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+        self.bos = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
-    def detokenize(self, ids) -> str:
-        return self._sp.decode([int(i) for i in ids])
+    def detokenize(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._sp.decode([int(i) for i in ids])  # sentencepiece never writes its control pieces
 
 
 class HuggingFaceTokenizer:
@@ -101,6 +102,7 @@ class HuggingFaceTokenizer:
                             f"add one, or name it as eos_token in tokenizer_config.json")
         self.eod = eod
         self.pad = self._token_id(config.get("pad_token"), _PAD_CANDIDATES)
+        self.bos = self._token_id(config.get("bos_token"), ())  # the one tokenizer_config.json names, if any
 
     def _token_id(self, configured, candidates) -> int | None:
         if isinstance(configured, dict):
@@ -114,8 +116,8 @@ class HuggingFaceTokenizer:
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def detokenize(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    def detokenize(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
 def _read_tokenizer_config(folder: str) -> dict:
@@ -146,6 +148,7 @@ class NullTokenizer:
         self.vocab_size = int(vocab_size)
         self.eod = self.vocab_size - 1
         self.pad = None
+        self.bos = None
 
     def tokenize(self, text: str) -> list[int]:
         try:
@@ -154,7 +157,7 @@ class NullTokenizer:
             raise DataError(f"NullTokenizer reads space-separated token ids, got {text[:40]!r}; "
                             f"use a real --tokenizer-type for raw text") from None
 
-    def detokenize(self, ids) -> str:
+    def detokenize(self, ids, skip_special_tokens: bool = False) -> str:
         return " ".join(str(int(i)) for i in ids)
 
 

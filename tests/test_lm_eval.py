@@ -1,0 +1,159 @@
+"""lm-evaluation-harness scores a megatron_lite checkpoint as its own `hf` model scores the Hugging Face model.
+
+A random Llama (GQA, untied) with a word-level tokenizer is converted to megatron_lite; three local tasks (no
+download: JSON lines written here) ask for each request kind: multiple choice (loglikelihood; acc and
+acc_norm), a rolling log-likelihood (perplexity) and greedy generation (exact match). lm-eval's `hf` model on
+the Hugging Face directory is the reference: every request's log-likelihood, every generated string and every
+metric equal (fp32, to float rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import HF_VOCAB, convert, hf_config, word_level_tokenizer
+from tests.tolerances import assert_close_relative
+
+TASKS = {
+    "words_choice": """task: words_choice
+dataset_path: json
+dataset_kwargs:
+  data_files: {path}
+test_split: train
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+""",
+    "words_rolling": """task: words_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files: {path}
+test_split: train
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: bits_per_byte
+""",
+    "words_generate": """task: words_generate
+dataset_path: json
+dataset_kwargs:
+  data_files: {path}
+test_split: train
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["w7"]
+  max_gen_toks: 5
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(1, HF_VOCAB - 1)}" for _ in range(n))
+
+
+def _documents(task: str, rng: random.Random) -> list[dict]:
+    if task == "words_choice":
+        return [{"context": _words(rng, rng.randrange(3, 9)), "choices": [_words(rng, rng.randrange(1, 4))
+                                                                          for _ in range(4)], "gold": i % 4}
+                for i in range(12)]
+    if task == "words_rolling":  # longer than the model's 64 positions: several windows
+        return [{"text": _words(rng, rng.randrange(20, 150))} for _ in range(4)]
+    return [{"context": _words(rng, rng.randrange(3, 9)), "answer": _words(rng, 2)} for _ in range(6)]
+
+
+@pytest.fixture(scope="module")
+def models_and_tasks(tmp_path_factory) -> tuple[str, str, str]:
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("lm_eval")
+    hf_dir, mlite_dir, task_dir = root / "hf", root / "mlite", root / "tasks"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config("llama")).save_pretrained(hf_dir)
+    PreTrainedTokenizerFast(tokenizer_object=word_level_tokenizer(), eos_token="</s>").save_pretrained(hf_dir)
+    convert("--direction", "hf-to-mlite", "--load-dir", str(hf_dir), "--save-dir", str(mlite_dir))
+    task_dir.mkdir()
+    rng = random.Random(0)
+    for task, template in TASKS.items():
+        data = task_dir / f"{task}.jsonl"
+        data.write_text("".join(json.dumps(doc) + "\n" for doc in _documents(task, rng)))
+        (task_dir / f"{task}.yaml").write_text(template.format(path=data))
+    return str(hf_dir), str(mlite_dir), str(task_dir)
+
+
+def evaluate(model, model_args: str | None, task_dir: str) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS), log_samples=True,
+                                   task_manager=TaskManager(include_path=task_dir), batch_size=4,
+                                   bootstrap_iters=0)
+
+
+def test_harness_scores_equal_the_hf_models_on_the_export(models_and_tasks):
+    from megatron_lite.evaluation.harness_model import MegatronLiteLM
+
+    hf_dir, mlite_dir, task_dir = models_and_tasks
+    ours = evaluate(MegatronLiteLM(load=mlite_dir, batch_size=4), None, task_dir)
+    theirs = evaluate("hf", f"pretrained={hf_dir},dtype=float32,device=cpu", task_dir)
+    for task in TASKS:
+        our_samples = sorted(ours["samples"][task], key=lambda s: (s["doc_id"], s["filter"]))
+        their_samples = sorted(theirs["samples"][task], key=lambda s: (s["doc_id"], s["filter"]))
+        assert len(our_samples) == len(their_samples) > 0
+        for mine, reference in zip(our_samples, their_samples):
+            if task == "words_generate":
+                assert mine["resps"] == reference["resps"], task
+                continue
+            scores = [resp[0][0] if isinstance(resp[0], (list, tuple)) else resp[0] for resp in mine["resps"]]
+            expected = [resp[0][0] if isinstance(resp[0], (list, tuple)) else resp[0] for resp in reference["resps"]]
+            assert_close_relative(torch.tensor(scores, dtype=torch.float64),
+                                  torch.tensor(expected, dtype=torch.float64), rel=1e-5, msg=task)
+        for metric, value in theirs["results"][task].items():
+            if metric.endswith(",none") and isinstance(value, float):
+                assert ours["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+    generated = [s["resps"][0][0] for s in ours["samples"]["words_generate"]]
+    assert any(generated), "greedy generation produced only empty strings: the comparison would be vacuous"
+
+
+def test_a_checkpoint_without_a_tokenizer_is_one_line(tmp_path):
+    from megatron_lite.errors import CheckpointError
+    from megatron_lite.evaluation.harness_model import MegatronLiteLM
+
+    torch.manual_seed(0)
+    hf_dir = tmp_path / "hf"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(hf_config("llama")).save_pretrained(hf_dir)
+    convert("--direction", "hf-to-mlite", "--load-dir", str(hf_dir), "--save-dir", str(tmp_path / "mlite"))
+    with pytest.raises(CheckpointError, match="has no tokenizer .*pass tokenizer_type=...,tokenizer_model=..."):
+        MegatronLiteLM(load=str(tmp_path / "mlite"))
+
+
+def test_run_lm_eval_runs_the_harness_command_line(models_and_tasks, tmp_path):
+    import subprocess
+    import sys
+
+    _, mlite_dir, task_dir = models_and_tasks
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "tools" / "run_lm_eval.py"), "--model", "megatron_lite",
+                             "--model_args", f"load={mlite_dir}", "--include_path", task_dir, "--tasks",
+                             "words_choice", "--output_path", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=600,
+                            env={**__import__("os").environ, "HF_DATASETS_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "words_choice" in result.stdout and "acc" in result.stdout
