@@ -105,13 +105,19 @@ def evaluate(model, model_args: str | None, task_dir: str) -> dict:
                                    bootstrap_iters=0)
 
 
-def test_harness_scores_equal_the_hf_models_on_the_export(models_and_tasks):
+def test_harness_scores_equal_the_hf_models_on_the_export(models_and_tasks, hf_scores):
     from megatron_lite.evaluation.harness_model import MegatronLiteLM
 
-    hf_dir, mlite_dir, task_dir = models_and_tasks
+    _, mlite_dir, task_dir = models_and_tasks
     ours = evaluate(MegatronLiteLM(load=mlite_dir, batch_size=4), None, task_dir)
-    theirs = evaluate("hf", f"pretrained={hf_dir},dtype=float32,device=cpu", task_dir)
-    for task in TASKS:
+    _compare(ours, hf_scores, TASKS)
+    generated = [s["resps"][0][0] for s in ours["samples"]["words_generate"]]
+    assert any(generated), "greedy generation produced only empty strings: the comparison would be vacuous"
+
+
+def _compare(ours: dict, theirs: dict, tasks) -> None:
+    """Every request's answer and every metric of `ours` equal `theirs` (log-likelihoods to float rounding)."""
+    for task in tasks:
         our_samples = sorted(ours["samples"][task], key=lambda s: (s["doc_id"], s["filter"]))
         their_samples = sorted(theirs["samples"][task], key=lambda s: (s["doc_id"], s["filter"]))
         assert len(our_samples) == len(their_samples) > 0
@@ -126,8 +132,33 @@ def test_harness_scores_equal_the_hf_models_on_the_export(models_and_tasks):
         for metric, value in theirs["results"][task].items():
             if metric.endswith(",none") and isinstance(value, float):
                 assert ours["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
-    generated = [s["resps"][0][0] for s in ours["samples"]["words_generate"]]
-    assert any(generated), "greedy generation produced only empty strings: the comparison would be vacuous"
+
+
+@pytest.fixture(scope="module")
+def hf_scores(models_and_tasks) -> dict:
+    hf_dir, _, task_dir = models_and_tasks
+    return evaluate("hf", f"pretrained={hf_dir},dtype=float32,device=cpu", task_dir)
+
+
+@pytest.mark.parametrize("ranks,layout", [(4, (2, 2)), (2, (1, 1))], ids=["tp2xpp2", "dp2"])
+def test_scores_at_tp2_pp2_and_dp2_under_torchrun_equal_the_hf_models(models_and_tasks, hf_scores, ranks, layout,
+                                                                      tmp_path):
+    """Under torchrun: heads split over TP and the layers over two pipeline stages (four processes), or the
+    requests over two data-parallel replicas (lm-eval splits them by rank and gathers to rank 0)."""
+    import os
+    import subprocess
+    import sys
+
+    _, mlite_dir, task_dir = models_and_tasks
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "results.pt"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         str(root / "tests" / "lm_eval_on_ranks.py"), str(out), mlite_dir, task_dir, *map(str, layout), *TASKS],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "HF_DATASETS_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    _compare(torch.load(out, weights_only=False), hf_scores, TASKS)
 
 
 def test_a_checkpoint_without_a_tokenizer_is_one_line(tmp_path):

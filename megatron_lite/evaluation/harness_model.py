@@ -1,6 +1,8 @@
 """A model for EleutherAI's lm-evaluation-harness: a megatron_lite checkpoint scored as it is, no conversion.
 
     python tools/run_lm_eval.py --model megatron_lite --model_args load=checkpoints/run1 --tasks hellaswag
+    torchrun --nproc-per-node 8 tools/run_lm_eval.py --model megatron_lite \
+        --model_args load=checkpoints/run1,tensor_model_parallel_size=2,pipeline_model_parallel_size=2 --tasks ...
 
 Registered as `megatron_lite` (lm-eval's `register_model`). It answers the harness's three request kinds as its
 `hf` model does, so that scores are comparable with a Hugging Face export's:
@@ -10,55 +12,62 @@ Registered as `megatron_lite` (lm-eval's `register_model`). It answers the harne
                          whether it is the greedy continuation
   loglikelihood_rolling  the text in disjoint windows of max_length tokens, each conditioned on the previous
                          tokens (lm_eval.utils' rolling windows), the first on the prefix token
-  generate_until         greedy decoding (KV cache) up to max_gen_toks or the end-of-text token, decoded
+  generate_until         greedy decoding up to max_gen_toks or the end-of-text token, decoded
                          without special tokens and cut at the first stop sequence (lm-eval's own helpers)
 
 Requests are scored longest first in batches of `batch_size` (right padding, which a causal model does not
-see). The tokenizer is the checkpoint's (a converted model's tokenizer files, else the run's
---tokenizer-model), or `tokenizer_type` / `tokenizer_model` in --model_args. max_length is the model's
---max-position-embeddings, as the `hf` model takes it from the configuration.
+see) by a ModelRunner (model_runner.py) at the layout of --model_args; under torchrun the data-parallel
+replicas are lm-eval's ranks (its requests split by rank, results gathered to rank 0). The tokenizer is the
+checkpoint's (a converted model's tokenizer files, else the run's --tokenizer-model), or `tokenizer_type` /
+`tokenizer_model` in --model_args. max_length is the model's --max-position-embeddings, as the `hf` model
+takes it from the configuration.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
+import torch.distributed as dist
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from megatron_lite.checkpoint.directory import read_metadata
 from megatron_lite.errors import CheckpointError
-from megatron_lite.hf.checkpoint import resolve_checkpoint
+from megatron_lite.evaluation.model_runner import ModelRunner
+from megatron_lite.hf.checkpoint import config_from_metadata, resolve_checkpoint
 from megatron_lite.inference.checkpoint_tokenizer import find_tokenizer
-from megatron_lite.inference.generation import generate, load_model
-from megatron_lite.inference.sampling_params import SamplingParams
 
 DEFAULT_MAX_GEN_TOKS = 256
 
 
 @register_model("megatron_lite")
 class MegatronLiteLM(TemplateLM):
-    """lm-eval's LM over a megatron_lite checkpoint (`load`: a --save directory or one iteration of it)."""
+    """lm-eval's LM over a megatron_lite checkpoint (`load`: a --save directory or one iteration of it), at
+    `tensor_model_parallel_size` x `pipeline_model_parallel_size` under torchrun (data parallel the rest)."""
 
     def __init__(self, load: str, iteration: int | None = None, tokenizer_type: str | None = None,
-                 tokenizer_model: str | None = None, batch_size: int | str = 8, device: str = "cpu", **kwargs):
+                 tokenizer_model: str | None = None, batch_size: int | str = 8, device: str = "cpu",
+                 tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, **kwargs):
         super().__init__()
         path = resolve_checkpoint(load, None if iteration is None else int(iteration))
         if str(device).startswith("cuda") and not torch.cuda.is_available():  # lm_eval's default is cuda
             print(f"note: --device {device} is not available here; evaluating on the CPU", file=sys.stderr)
             device = "cpu"
-        self._device = torch.device(device or "cpu")
-        self.model, self.config = load_model(path, device=self._device)
-        self.tokenizer = find_tokenizer(path, self.config, tokenizer_type, tokenizer_model)
+        saved = read_metadata(path)
+        self.tokenizer = find_tokenizer(path, config_from_metadata(saved), tokenizer_type, tokenizer_model)
         if self.tokenizer is None:
             raise CheckpointError(f"{path} has no tokenizer (no tokenizer files beside it, no --tokenizer-model of its "
                                   f"run); pass tokenizer_type=...,tokenizer_model=... in --model_args")
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
-        self.vocab_size = self.config.model.vocab_size
-        self.max_length = self.config.model.max_position_embeddings
+        self.runner = ModelRunner(os.path.dirname(os.path.abspath(path)), path, saved["iteration"],
+                                  int(tensor_model_parallel_size), int(pipeline_model_parallel_size), self.batch_size,
+                                  device or "cpu")
+        self.max_length = self.runner.max_length
 
     @property
     def eot_token_id(self) -> int:
@@ -71,7 +80,34 @@ class MegatronLiteLM(TemplateLM):
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self.runner.device
+
+    @property
+    def rank(self) -> int:
+        return self.runner.pstate.dp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.runner.pstate.dp_size
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(pieces, tensor, group=self.runner.pstate.group("dp"))
+        return torch.stack(pieces) if tensor.dim() == 0 else torch.cat(pieces)
+
+    def gather_object(self, obj, dst: int = 0):
+        if self.world_size == 1:
+            return [obj]
+        group = self.runner.pstate.group("dp")
+        gathered = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, gathered, dst=dist.get_global_rank(group, dst), group=group)
+        return gathered
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.runner.pstate.group("dp"))
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tokenizer.tokenize(string)
@@ -79,32 +115,14 @@ class MegatronLiteLM(TemplateLM):
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.detokenize(tokens, skip_special_tokens=skip_special_tokens)
 
-    @torch.no_grad()
-    def _log_probs(self, inputs: list[list[int]]) -> list[torch.Tensor]:
-        """log_softmax of the model's logits [len(input), vocab] for each token list, padded into one batch."""
-        longest = max(len(ids) for ids in inputs)
-        batch = torch.zeros(len(inputs), longest, dtype=torch.long, device=self._device)
-        for row, ids in enumerate(inputs):
-            batch[row, :len(ids)] = torch.tensor(ids, device=self._device)
-        logits = self.model(batch, torch.arange(longest, device=self._device))[..., :self.vocab_size]
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        return [log_probs[row, :len(ids)] for row, ids in enumerate(inputs)]
-
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="loglikelihood"):
             chunk = order[start:start + self.batch_size]
-            inputs, continuations = [], []
-            for index in chunk:
-                _, context, continuation = requests[index]
-                inputs.append((context + continuation)[-(self.max_length + 1):][:-1])
-                continuations.append(continuation)
-            for index, log_probs, continuation in zip(chunk, self._log_probs(inputs), continuations):
-                scored = log_probs[-len(continuation):]
-                target = torch.tensor(continuation, device=self._device)
-                greedy = bool((scored.argmax(dim=-1) == target).all())
-                results[index] = (float(scored.gather(1, target[:, None]).sum()), greedy)
+            inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1] for i in chunk]
+            for index, result in zip(chunk, self.runner.score(inputs, [requests[i][2] for i in chunk])):
+                results[index] = result
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -129,7 +147,6 @@ class MegatronLiteLM(TemplateLM):
             until = handle_stop_sequences(kwargs.get("until"), eos=eos)
             max_gen_toks = kwargs["max_gen_toks"]
             prompt = self.tok_encode(context)[-(self.max_length - max_gen_toks):]
-            ids = generate(self.model, torch.tensor([prompt], device=self._device), max_gen_toks, SamplingParams(),
-                           eos_id=self.eot_token_id)[0].tolist()
+            ids = self.runner.greedy(prompt, max_gen_toks, self.eot_token_id)
             outputs.append(postprocess_generated_text(self.tok_decode(ids), until, None))
         return outputs
