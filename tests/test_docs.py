@@ -30,7 +30,7 @@ FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE_CODE = re.compile(r"`([^`]+)`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 SCRIPT = re.compile(r"^(?:\./)?((?:tools|examples/slurm)/[\w-]+\.py|pretrain_gpt\.py|benchmarks/[\w-]+\.py)$")
-FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
+FLAG = re.compile(r"--[a-z0-9][a-z0-9_-]*")  # underscores: lm-eval's flags (tools/run_lm_eval.py)
 REPO_PATH = re.compile(r"^[\w.*-]+(?:/[\w.*-]+)+\.(?:py|md|sh|yaml|sbatch|jsonl|json|png)$")
 
 

@@ -10,7 +10,10 @@ metric equal (fp32, to float rounding).
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,10 +148,6 @@ def test_scores_at_tp2_pp2_and_dp2_under_torchrun_equal_the_hf_models(models_and
                                                                       tmp_path):
     """Under torchrun: heads split over TP and the layers over two pipeline stages (four processes), or the
     requests over two data-parallel replicas (lm-eval splits them by rank and gathers to rank 0)."""
-    import os
-    import subprocess
-    import sys
-
     _, mlite_dir, task_dir = models_and_tasks
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "results.pt"
@@ -175,16 +174,27 @@ def test_a_checkpoint_without_a_tokenizer_is_one_line(tmp_path):
         MegatronLiteLM(load=str(tmp_path / "mlite"))
 
 
-def test_run_lm_eval_runs_the_harness_command_line(models_and_tasks, tmp_path):
-    import subprocess
-    import sys
-
-    _, mlite_dir, task_dir = models_and_tasks
+def run_lm_eval(*argv: str) -> subprocess.CompletedProcess:
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(root / "tools" / "run_lm_eval.py"), "--model", "megatron_lite",
-                             "--model_args", f"load={mlite_dir}", "--include_path", task_dir, "--tasks",
-                             "words_choice", "--output_path", str(tmp_path / "out")],
-                            capture_output=True, text=True, timeout=600,
-                            env={**__import__("os").environ, "HF_DATASETS_OFFLINE": "1"})
+    return subprocess.run([sys.executable, str(root / "tools" / "run_lm_eval.py"), "--model", "megatron_lite", *argv],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+
+
+def test_run_lm_eval_runs_the_harness_command_line(models_and_tasks, tmp_path):
+    _, mlite_dir, task_dir = models_and_tasks
+    result = run_lm_eval("--model_args", f"load={mlite_dir}", "--include_path", task_dir, "--tasks", "words_choice",
+                         "--output_path", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "words_choice" in result.stdout and "acc" in result.stdout
+
+
+def test_an_unknown_task_or_missing_task_data_is_one_line(models_and_tasks, tmp_path):
+    _, mlite_dir, task_dir = models_and_tasks
+    missing = (Path(task_dir) / "words_choice.yaml").read_text().replace("task: words_choice", "task: no_data")
+    (tmp_path / "no_data.yaml").write_text(missing.replace(str(Path(task_dir) / "words_choice.jsonl"),
+                                                           str(tmp_path / "absent.jsonl")))
+    for argv, says in ((["--tasks", "no_such_task"], "Tasks not found: no_such_task"),
+                       (["--include_path", str(tmp_path), "--tasks", "no_data"], "absent.jsonl")):
+        result = run_lm_eval("--model_args", f"load={mlite_dir}", *argv)
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode != 0 and last.startswith("run_lm_eval.py: error: ") and says in last, result.stderr

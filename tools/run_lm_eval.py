@@ -7,7 +7,8 @@
 Every lm_eval flag works as it does there (`lm_eval --help`); --model_args takes load= (a --save directory or one
 iteration of it), iteration=, tokenizer_type= and tokenizer_model= (when the checkpoint carries no tokenizer),
 batch_size= and device=. Datasets are downloaded only if a task needs one that is not local (HF_DATASETS_OFFLINE=1
-keeps it offline).
+keeps it offline). A mistake (an unknown task, a task whose data is not here, a checkpoint without a tokenizer)
+is one line; MEGATRON_LITE_DEBUG=1 shows the traceback.
 """
 
 from __future__ import annotations
@@ -24,8 +25,17 @@ def main() -> None:
     except ImportError:
         sys.exit('run_lm_eval.py: error: lm-evaluation-harness is not installed; pip install -e ".[eval]"')
     import megatron_lite.evaluation.harness_model  # noqa: F401  (registers the megatron_lite model)
+    from megatron_lite.errors import UserError, debug_requested
 
-    cli_evaluate()
+    if sys.argv[1:] in (["--help"], ["-h"]):  # the flags of an evaluation (lm-eval's run command), not its commands
+        sys.argv[1:] = ["run", "--help"]
+    try:
+        cli_evaluate()
+    except (UserError, ValueError, OSError) as error:  # an unknown task, a task whose data is not here, a checkpoint
+        if debug_requested():
+            raise
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        sys.exit(f"run_lm_eval.py: error: {message}")
 
 
 if __name__ == "__main__":
