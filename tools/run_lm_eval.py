@@ -19,18 +19,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     try:
-        from lm_eval.__main__ import cli_evaluate
+        from lm_eval._cli import HarnessCLI
     except ImportError:
         sys.exit('run_lm_eval.py: error: lm-evaluation-harness is not installed; pip install -e ".[eval]"')
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv in (["--help"], ["-h"]):  # the flags of an evaluation (lm-eval's run command), not its commands
+        argv = ["run", "--help"]
+    parser = HarnessCLI()
+    saved, sys.argv = sys.argv, [sys.argv[0], *argv]  # lm-eval's parser reads sys.argv
+    try:
+        args = parser.parse_args()  # --help and a mistake in a flag are answered here, before torch is imported
+    finally:
+        sys.argv = saved
+    from lm_eval.utils import setup_logging
+
     import megatron_lite.evaluation.harness_model  # noqa: F401  (registers the megatron_lite model)
     from megatron_lite.errors import UserError, debug_requested
 
-    if sys.argv[1:] in (["--help"], ["-h"]):  # the flags of an evaluation (lm-eval's run command), not its commands
-        sys.argv[1:] = ["run", "--help"]
+    setup_logging()
     try:
-        cli_evaluate()
+        parser.execute(args)
     except (UserError, ValueError, OSError) as error:  # an unknown task, a task whose data is not here, a checkpoint
         if debug_requested():
             raise

@@ -41,6 +41,7 @@ from megatron_lite.errors import CheckpointError
 from megatron_lite.evaluation.model_runner import ModelRunner
 from megatron_lite.hf.checkpoint import config_from_metadata, resolve_checkpoint
 from megatron_lite.inference.checkpoint_tokenizer import find_tokenizer
+from megatron_lite.parallel import mappings
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -93,9 +94,8 @@ class MegatronLiteLM(TemplateLM):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
-        pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(pieces, tensor, group=self.runner.pstate.group("dp"))
-        return torch.stack(pieces) if tensor.dim() == 0 else torch.cat(pieces)
+        return mappings.all_gather_dim0(tensor.reshape(1) if tensor.dim() == 0 else tensor,
+                                        self.runner.pstate.group("dp"))
 
     def gather_object(self, obj, dst: int = 0):
         if self.world_size == 1:
