@@ -83,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 
     debug = debug or config.logging.debug
     try:
-        pretrain(config, model_provider, forward_step)
+        downstream = None
+        if config.training.eval_tasks:  # lm-eval on the live model at each evaluation; checked before any compute
+            from megatron_lite.evaluation.in_training import DownstreamEvaluation
+
+            downstream = DownstreamEvaluation(config)
+        pretrain(config, model_provider, forward_step, non_loss_data_func=downstream)
     except UserError as error:
         return _fail(error, debug, world_size, status=getattr(error, "exit_code", 1))
     except RuntimeError as error:  # a stuck or dead rank, when it is one

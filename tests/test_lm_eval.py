@@ -99,13 +99,13 @@ def models_and_tasks(tmp_path_factory) -> tuple[str, str, str]:
     return str(hf_dir), str(mlite_dir), str(task_dir)
 
 
-def evaluate(model, model_args: str | None, task_dir: str) -> dict:
+def evaluate(model, model_args: str | None, task_dir: str, tasks=tuple(TASKS), limit: int | None = None) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS), log_samples=True,
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), log_samples=True,
                                    task_manager=TaskManager(include_path=task_dir), batch_size=4,
-                                   bootstrap_iters=0)
+                                   bootstrap_iters=0, limit=limit)
 
 
 def test_harness_scores_equal_the_hf_models_on_the_export(models_and_tasks, hf_scores):
@@ -198,3 +198,56 @@ def test_an_unknown_task_or_missing_task_data_is_one_line(models_and_tasks, tmp_
         result = run_lm_eval("--model_args", f"load={mlite_dir}", *argv)
         last = result.stderr.strip().splitlines()[-1]
         assert result.returncode != 0 and last.startswith("run_lm_eval.py: error: ") and says in last, result.stderr
+
+
+def test_downstream_scores_during_training_equal_the_harness_on_the_checkpoints_saved_there(models_and_tasks,
+                                                                                          tmp_path):
+    """--eval-tasks scores the live model every --eval-interval iterations; each logged score (JSONL and
+    TensorBoard) equals tools/run_lm_eval.py's model on the checkpoint saved at that iteration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import pretrain_gpt
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.evaluation.harness_model import MegatronLiteLM
+    from megatron_lite.evaluation.in_training import DownstreamEvaluation
+    from megatron_lite.training.loop import pretrain
+
+    hf_dir, _, task_dir = models_and_tasks
+    tasks = ("words_choice", "words_generate")
+    values = {"model_preset": "llama-tiny", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+              "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": HF_VOCAB, "seq_length": 64,
+              "max_position_embeddings": 64, "mock_data": True, "tokenizer_type": "HuggingFaceTokenizer",
+              "tokenizer_model": hf_dir, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 4,
+              "lr": 3e-3, "eval_interval": 2, "eval_iters": 1, "log_interval": 1, "save": str(tmp_path / "run"),
+              "save_interval": 2, "metrics_jsonl": str(tmp_path / "metrics.jsonl"),
+              "tensorboard_dir": str(tmp_path / "tb"),
+              "eval_tasks": [str(Path(task_dir) / f"{task}.yaml") for task in tasks], "eval_task_limit": 4}
+    config = make_config(values, 1)
+    pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+             non_loss_data_func=DownstreamEvaluation(config))
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+              if "downstream/words_choice/acc" in line]
+    assert [record["iteration"] for record in logged] == [2, 4]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    for record in logged:
+        offline = evaluate(MegatronLiteLM(load=str(tmp_path / "run"), iteration=record["iteration"]), None, task_dir,
+                           tasks, limit=4)["results"]
+        for name in ("words_choice/acc", "words_choice/acc_norm", "words_generate/exact_match"):
+            task, metric = name.split("/")
+            assert record[f"downstream/{name}"] == pytest.approx(offline[task][f"{metric},none"]), name
+            scalars = {event.step: event.value for event in events.Scalars(f"downstream/{name}")}
+            assert scalars[record["iteration"]] == pytest.approx(record[f"downstream/{name}"], rel=1e-6), name
+
+
+def test_eval_tasks_that_cannot_run_are_one_line_before_training():
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.evaluation.in_training import DownstreamEvaluation
+
+    base = {"model_preset": "llama-tiny", "mock_data": True, "train_iters": 1}
+    with pytest.raises(ConfigError, match="--eval-tasks scores text: give the run's tokenizer"):
+        DownstreamEvaluation(make_config({**base, "eval_tasks": ["words_choice"]}))
+    with pytest.raises(ConfigError, match="lm-eval knows no task 'no_such_task'"):
+        DownstreamEvaluation(make_config({**base, "eval_tasks": ["no_such_task"], "tokenizer_type":
+                                          "SentencePieceTokenizer", "tokenizer_model": "unused.model"}))

@@ -178,6 +178,7 @@ RULES: dict[str, tuple[Needs | Excludes, ...]] = {
     "profile_ranks": (needs("profile", "record_memory_history"),),
     "memory_snapshot_path": (needs("record_memory_history"),),
     "straggler_minmax_count": (needs("log_straggler"),),
+    "eval_task_limit": (needs("eval_tasks"),),
 }
 
 # Flags that mean the same whatever else is given.
@@ -198,7 +199,8 @@ STANDS_ALONE = frozenset({
     "json_keys", "skip_bad_records", "raw_text_chunk_mib",
     "mmap_bin_files", "mock_data", "tokenizer_type", "num_workers", "data_cache_path", "reset_position_ids",
     "reset_attention_mask", "eod_mask_loss",
-    "micro_batch_size", "global_batch_size", "train_samples", "eval_interval", "eval_iters", "calculate_per_token_loss",
+    "micro_batch_size", "global_batch_size", "train_samples", "eval_interval", "eval_iters", "eval_tasks",
+    "calculate_per_token_loss",
     "seed", "device", "exit_signal_handler", "exit_interval", "exit_duration_in_mins", "distributed_timeout_minutes",
     "hang_timeout_seconds",
     "rerun_mode", "check_for_spiky_loss", "check_for_large_grads", "result_rejected_tracker_filename",

@@ -419,6 +419,11 @@ class TrainingConfig:
     """iterations between evaluations on the validation split"""
     eval_iters: int = 10
     """global batches of each evaluation"""
+    eval_tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks (names, or YAML task files) scored at each evaluation beside the validation
+    loss, the accuracies logged in every sink (needs lm-eval: pip install -e ".[eval]", and a tokenizer)"""
+    eval_task_limit: int | None = None
+    """documents of each --eval-tasks task scored at each evaluation (the first ones); default: all"""
     calculate_per_token_loss: bool = False
     """train on the mean loss over all unmasked tokens of the global batch; default (Megatron's): each
     micro-batch's mean over its unmasked tokens, averaged over the micro-batches and data-parallel ranks. The two

@@ -55,6 +55,7 @@ _INT_MINIMUMS = {
     "lr_warmup_iters": 0, "lr_decay_iters": 1, "loss_scale_window": 1, "hysteresis": 1, "num_workers": 0,
     "ddp_bucket_size": 1,
     "micro_batch_size": 1, "global_batch_size": 1, "train_iters": 1, "eval_interval": 1, "eval_iters": 0,
+    "eval_task_limit": 1,
     "seed": 0, "exit_interval": 1, "save_interval": 1, "keep_last_n": 1, "ckpt_step": 0, "log_interval": 1,
     "tensorboard_log_interval": 1, "train_samples": 1, "lr_warmup_samples": 0, "lr_decay_samples": 1,
     "lr_wsd_decay_iters": 1, "lr_wsd_decay_samples": 1, "profile_step_start": 0, "profile_step_end": 1,

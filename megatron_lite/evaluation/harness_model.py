@@ -65,10 +65,21 @@ class MegatronLiteLM(TemplateLM):
             raise CheckpointError(f"{path} has no tokenizer (no tokenizer files beside it, no --tokenizer-model of its "
                                   f"run); pass tokenizer_type=...,tokenizer_model=... in --model_args")
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
-        self.runner = ModelRunner(os.path.dirname(os.path.abspath(path)), path, saved["iteration"],
-                                  int(tensor_model_parallel_size), int(pipeline_model_parallel_size), self.batch_size,
-                                  device or "cpu")
+        self.runner = ModelRunner.from_checkpoint(os.path.dirname(os.path.abspath(path)), path, saved["iteration"],
+                                                  int(tensor_model_parallel_size), int(pipeline_model_parallel_size),
+                                                  self.batch_size, device or "cpu")
         self.max_length = self.runner.max_length
+        self.quiet = False
+
+    @classmethod
+    def around(cls, runner: ModelRunner, tokenizer) -> MegatronLiteLM:
+        """The harness model over a model already built (a training run's, evaluated in the loop)."""
+        lm = cls.__new__(cls)
+        TemplateLM.__init__(lm)
+        lm.runner, lm.tokenizer = runner, tokenizer
+        lm.batch_size, lm.max_length = runner.micro_batch_size, runner.max_length
+        lm.quiet = True  # no progress bars in the training log
+        return lm
 
     @property
     def eot_token_id(self) -> int:
@@ -118,7 +129,8 @@ class MegatronLiteLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="loglikelihood"):
+        batches = range(0, len(order), self.batch_size)
+        for start in tqdm(batches, disable=disable_tqdm or self.quiet, desc="loglikelihood"):
             chunk = order[start:start + self.batch_size]
             inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1] for i in chunk]
             for index, result in zip(chunk, self.runner.score(inputs, [requests[i][2] for i in chunk])):
@@ -127,7 +139,7 @@ class MegatronLiteLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         scores = []
-        for (text,) in tqdm([request.args for request in requests], disable=disable_tqdm, desc="rolling"):
+        for (text,) in tqdm([request.args for request in requests], disable=disable_tqdm or self.quiet, desc="rolling"):
             windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
                 token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
                 context_len=1)]
@@ -139,7 +151,7 @@ class MegatronLiteLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         outputs = []
-        for context, gen_kwargs in tqdm([request.args for request in requests], disable=disable_tqdm,
+        for context, gen_kwargs in tqdm([request.args for request in requests], disable=disable_tqdm or self.quiet,
                                         desc="generate_until"):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
             if kwargs.get("do_sample"):

@@ -35,25 +35,32 @@ def _provider(config, pstate, plan, device) -> GPTModel:
 
 
 class ModelRunner:
-    """The model of checkpoint iteration `path` (of --save directory `root`) at TP x PP (DP the rest of the
-    world), scoring batches of up to `micro_batch_size` token lists of up to the model's max length."""
+    """`model` (this rank's chunks, built for `config`'s layout) scoring batches of up to `micro_batch_size`
+    token lists of up to `max_length` tokens: a checkpoint's (`from_checkpoint`) or a training run's own."""
 
-    def __init__(self, root: str, path: str, iteration: int, tp: int, pp: int, micro_batch_size: int, device: str):
+    def __init__(self, config, pstate, device, model: list, max_length: int, micro_batch_size: int, vocab_size: int):
+        self.config, self.pstate, self.device, self.model = config, pstate, device, model
+        self.max_length, self.micro_batch_size, self.vocab_size = max_length, micro_batch_size, vocab_size
+
+    @classmethod
+    def from_checkpoint(cls, root: str, path: str, iteration: int, tp: int, pp: int, micro_batch_size: int,
+                        device: str) -> ModelRunner:
+        """The model of checkpoint iteration `path` (of --save directory `root`) at TP x PP, DP the rest of the
+        world, in eval mode; max_length is its --max-position-embeddings."""
         saved = config_from_metadata(read_metadata(path))
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group is joined in initialize
-        self.max_length = saved.model.max_position_embeddings
-        values = {**model_flags(saved.model), "seq_length": self.max_length, "mock_data": True,
+        max_length = saved.model.max_position_embeddings
+        values = {**model_flags(saved.model), "seq_length": max_length, "mock_data": True,
                   "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                   "micro_batch_size": micro_batch_size, "global_batch_size": micro_batch_size * world // (tp * pp),
                   "train_iters": 1, "load": root, "ckpt_step": iteration, "finetune": True, "device": device}
-        self.config = make_config(values, world)
-        self.pstate, self.device = initialize(self.config)
-        self.model = build_model(self.config, self.pstate, _provider, self.device)
-        Checkpointer(self.config, self.pstate, self.device).load_checkpoint(self.model, None)
-        for chunk in self.model:
+        config = make_config(values, world)
+        pstate, device = initialize(config)
+        model = build_model(config, pstate, _provider, device)
+        Checkpointer(config, pstate, device).load_checkpoint(model, None)
+        for chunk in model:
             chunk.eval()
-        self.micro_batch_size = micro_batch_size
-        self.vocab_size = saved.model.vocab_size
+        return cls(config, pstate, device, model, max_length, micro_batch_size, saved.model.vocab_size)
 
     @torch.no_grad()
     def _last_stage_logits(self, inputs: list[list[int]]) -> torch.Tensor | None:

@@ -130,6 +130,22 @@ class TrainingLogger:
             self.jsonl.write(json.dumps({"iteration": iteration, "valid_lm_loss": loss}) + "\n")
             self.jsonl.flush()
 
+    def log_scalars(self, iteration: int, scalars: dict[str, float]) -> None:
+        """Scalars of an evaluation other than the loss (downstream accuracies: `task/metric`), in every sink."""
+        if not self.enabled or not scalars:
+            return
+        print(f" downstream at iteration {iteration} | "
+              + " | ".join(f"{name} {value:.4f}" for name, value in scalars.items()), flush=True)
+        named = {f"downstream/{name}": value for name, value in scalars.items()}
+        if self.tensorboard is not None:
+            for name, value in named.items():
+                self.tensorboard.add_scalar(name, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(named, step=iteration)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"iteration": iteration, **named}) + "\n")
+            self.jsonl.flush()
+
     def log_checkpoint(self, iteration: int) -> None:
         """After a save into --save: the W&B run summary names the newest checkpoint, and the run id is kept
         beside it, so that a run resuming from this checkpoint continues this W&B run."""

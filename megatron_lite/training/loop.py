@@ -354,20 +354,23 @@ def evaluate(forward_step_func, data_iterator, model, config: Config, pstate: Pa
 # The run
 
 
-def pretrain(config: Config, model_provider, forward_step_func) -> list[dict]:
+def pretrain(config: Config, model_provider, forward_step_func, non_loss_data_func=None) -> list[dict]:
     """Train `config.training.train_iters` iterations; returns the per-iteration metrics of this rank.
+    `non_loss_data_func(model, pstate, device)`, as Megatron's, runs at each evaluation beside the validation
+    loss (all ranks) and returns scalars to log ({name: value}; downstream accuracies, evaluation/in_training.py).
 
     However it ends (finished, exit interval or signal, error), the process groups this run created are
     destroyed before returning, so the process exits with the status the run deserves."""
     owns_process_group = not dist.is_initialized()
     pstate, device = initialize(config)
     try:
-        return _train(config, pstate, device, model_provider, forward_step_func)
+        return _train(config, pstate, device, model_provider, forward_step_func, non_loss_data_func)
     finally:
         lifecycle.shutdown(owns_process_group)
 
 
-def _train(config: Config, pstate: ParallelState, device, model_provider, forward_step_func) -> list[dict]:
+def _train(config: Config, pstate: ParallelState, device, model_provider, forward_step_func,
+           non_loss_data_func=None) -> list[dict]:
     """Check the inputs that can be checked cheaply (the corpus, the checkpoint directory), then train. A
     background save still in flight when an error ends the run completes, but no rank waits for others."""
     if pstate.rank == 0:
@@ -382,7 +385,8 @@ def _train(config: Config, pstate: ParallelState, device, model_provider, forwar
     c = config.checkpoint
     checkpointer = Checkpointer(config, pstate, device) if c.save or c.load else None
     try:
-        history = _run(config, pstate, device, model_provider, forward_step_func, datasets, checkpointer)
+        history = _run(config, pstate, device, model_provider, forward_step_func, datasets, checkpointer,
+                       non_loss_data_func)
     except BaseException:
         if checkpointer is not None:
             checkpointer.close(wait_for_peers=False)
@@ -393,7 +397,7 @@ def _train(config: Config, pstate: ParallelState, device, model_provider, forwar
 
 
 def _run(config: Config, pstate: ParallelState, device, model_provider, forward_step_func, datasets,
-         checkpointer: Checkpointer | None) -> list[dict]:
+         checkpointer: Checkpointer | None, non_loss_data_func=None) -> list[dict]:
     """Build the model and optimizer, resume, and iterate: log, evaluate, save, stop when told to."""
     train_ds, valid_ds, _ = datasets
     c, t = config.checkpoint, config.training
@@ -449,9 +453,13 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                     metrics.update(rerun.read_stats())
                     memory_history.dump(completed)
                 history.append(logger.log_iteration(iteration + 1, metrics, timers))
-                if valid_iterator is not None and (iteration + 1) % config.training.eval_interval == 0:
-                    logger.log_evaluation(iteration + 1, evaluate(forward_step_func, valid_iterator, model, config,
+                if completed % t.eval_interval == 0 and (valid_iterator is not None or non_loss_data_func):
+                    if valid_iterator is not None:
+                        logger.log_evaluation(completed, evaluate(forward_step_func, valid_iterator, model, config,
                                                                   pstate, device))
+                    if non_loss_data_func is not None:
+                        with unwatched(watchdog):  # the harness prepares requests between collectives
+                            logger.log_scalars(completed, non_loss_data_func(model, pstate, device))
                     logger.reset_timer()
                 if checkpointer is not None:
                     checkpointer.maybe_finalize_async_save(blocking=False)
