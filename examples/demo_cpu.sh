@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job, end to end on a fresh machine (CPU or GPU): install, fetch the Shakespeare demo corpus,
 # train a tokenizer, preprocess, pretrain llama-tiny with data parallelism on 2 processes (checkpoints in
-# checkpoints/demo), plot its curves, and let the model write from a Shakespeare prompt.
+# checkpoints/demo, downstream accuracy on the shipped Shakespeare tasks at each evaluation), plot its curves,
+# score the model with lm-evaluation-harness, and let it write from a Shakespeare prompt.
 # Run again, it resumes from the last checkpoint, or goes straight to writing when training is done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,7 @@ bash scripts/setup_env.sh
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 SAVE=checkpoints/demo
+TASKS=megatron_lite/evaluation/tasks
 TRAIN_ITERS=${TRAIN_ITERS:-200}
 export OMP_NUM_THREADS=1
 [ -f data/shakespeare.jsonl ] || "$PY" tools/download_demo_corpus.py
@@ -28,9 +30,14 @@ else
         --seq-length 128 --micro-batch-size 4 --global-batch-size 16 --train-iters "$TRAIN_ITERS" \
         --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 20 --lr-decay-style cosine --weight-decay 0.1 \
         --log-interval 10 --eval-interval 100 --eval-iters 5 \
+        --eval-tasks "$TASKS/shakespeare_cloze.yaml" "$TASKS/shakespeare_next_word.yaml" --eval-task-limit 50 \
         --save "$SAVE" --load "$SAVE" --save-interval 50 --metrics-jsonl "$SAVE/metrics.jsonl" "$@"
 fi
 "$PY" tools/plot_metrics.py "$SAVE/metrics.jsonl" --labels demo --output "$SAVE/curves.png"
+printf '\nlm-evaluation-harness on the trained model (shipped tasks, 200 documents each):\n\n'
+HF_DATASETS_OFFLINE=1 "$PY" tools/run_lm_eval.py --model megatron_lite --model_args "load=$SAVE" \
+    --include_path "$TASKS" --tasks shakespeare_cloze shakespeare_next_word --batch_size 8 --device cpu \
+    --verbosity ERROR
 PROMPT="ROMEO. O, she doth teach the torches to burn bright!"
 printf '\nWhat the model writes after "%s" (sampled: top-k 40, temperature 0.8):\n\n' "$PROMPT"
 "$PY" tools/generate.py --load "$SAVE" --prompt "$PROMPT" --max-new-tokens 96 --top-k 40 --temperature 0.8

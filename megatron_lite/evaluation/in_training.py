@@ -26,6 +26,13 @@ from megatron_lite.errors import ConfigError
 from megatron_lite.evaluation.model_runner import ModelRunner
 
 
+class _TaskFileLoader(yaml.SafeLoader):
+    """Reads a task file's plain keys; lm-eval's own tags (`!function module.name`) are left unresolved here."""
+
+
+_TaskFileLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
 def _task_names_and_folders(entries: list[str]) -> tuple[list[str], list[str]]:
     """Task names: each entry itself, or the task a YAML file names (its folder joins the include path)."""
     names, folders = [], []
@@ -35,13 +42,22 @@ def _task_names_and_folders(entries: list[str]) -> tuple[list[str], list[str]]:
             continue
         if not os.path.isfile(entry):
             raise ConfigError(f"--eval-tasks {entry}: no such task file")
-        with open(entry, encoding="utf-8") as f:
-            task = (yaml.safe_load(f) or {}).get("task")
+        try:
+            with open(entry, encoding="utf-8") as f:
+                task = (yaml.load(f, Loader=_TaskFileLoader) or {}).get("task")
+        except (yaml.YAMLError, AttributeError) as error:
+            raise ConfigError(f"--eval-tasks {entry}: not a task file ({str(error).splitlines()[0]})") from None
         if not isinstance(task, str):
             raise ConfigError(f"--eval-tasks {entry}: the file names no task (its 'task:' key)")
         names.append(task)
         folders.append(os.path.dirname(os.path.abspath(entry)))
     return names, sorted(set(folders))
+
+
+def _scalar_name(task: str, key: str) -> str:
+    """`task/metric` for lm-eval's result key `metric,filter` (`task/metric_filter` under a filter of the task's)."""
+    metric, filter_name = key.split(",", 1)
+    return f"{task}/{metric}" if filter_name == "none" else f"{task}/{metric}_{filter_name}"
 
 
 class DownstreamEvaluation:
@@ -87,9 +103,9 @@ class DownstreamEvaluation:
                 chunk.train()
         scores = None
         if results is not None:
-            scores = {f"{task}/{metric.split(',')[0]}": float(value)
-                      for task, metrics in results["results"].items() for metric, value in metrics.items()
-                      if metric.endswith(",none") and "_stderr" not in metric and isinstance(value, (int, float))}
+            scores = {_scalar_name(task, key): float(value) for task, metrics in results["results"].items()
+                      for key, value in metrics.items()
+                      if "," in key and "_stderr" not in key and isinstance(value, (int, float))}
         if dist.is_initialized() and dist.get_world_size() > 1:
             holder = [scores]
             dist.broadcast_object_list(holder, src=0)
