@@ -77,7 +77,9 @@ class DownstreamEvaluation:
                               "--tokenizer-model)")
         self.config = config
         self.tasks, folders = _task_names_and_folders(config.training.eval_tasks)
-        self.task_manager = TaskManager(include_path=folders or None)
+        named = any(not entry.endswith((".yaml", ".yml")) for entry in config.training.eval_tasks)
+        # lm-eval's own task index takes seconds to build: only when a task is named rather than given as a file
+        self.task_manager = TaskManager(include_path=folders or None, include_defaults=named)
         unknown = [task for task in self.tasks if task not in self.task_manager.all_tasks]
         if unknown:
             raise ConfigError(f"--eval-tasks: lm-eval knows no task {unknown[0]!r} (lm_eval ls tasks lists them; a "
