@@ -1,14 +1,16 @@
 """What --eval-tasks costs a training run, against what the harness's own forward passes of the same requests cost.
 
-Two runs of the whole `pretrain_gpt.py` (one process, mock data, a word-level tokenizer, llama-tiny), the same
-but for `--eval-tasks` (a multiple-choice and a generation task of local documents, `--eval-task-limit`
-documents each, every `--eval-interval` iterations), alternated `--repeats` times in the same session so that
-machine load hits both alike. The peer is lm-evaluation-harness with the `megatron_lite` model scoring the same
-subset on the checkpoint the run saved, the model already loaded (the forward passes and the harness's own
-request handling, nothing else), times the number of evaluations. A ratio near 1 says the run pays for the
-requests' forward passes and nothing more.
+Two runs of the whole `pretrain_gpt.py` (one process, mock data, a word-level tokenizer, llama-tiny), the
+same but for `--eval-tasks` (tests/test_lm_eval.py's multiple-choice and generation tasks of local documents,
+`--eval-task-limit` documents each, every `--eval-interval` iterations), alternated `--repeats` times in the
+same session so that machine load hits both alike. The peer is lm-evaluation-harness with the
+`megatron_lite` model scoring the same subset on the checkpoint the run saved, the model already loaded (the
+forward passes and the harness's own request handling, nothing else). A third run sets the tasks up and
+never evaluates (--eval-interval past the end): the one-time cost of importing lm-eval and reading the tasks.
+Each evaluation's cost is the rest, over the evaluations; a ratio near 1 to the harness's says an evaluation
+pays for the requests' forward passes and nothing more.
 
-    python -m benchmarks.downstream_eval [--repeats 2] [--limit 40]
+    python -m benchmarks.downstream_eval [--repeats 2] [--limit 10]
 """
 
 from __future__ import annotations
@@ -25,60 +27,29 @@ import time
 from pathlib import Path
 
 from benchmarks.results_file import record_result
+from tests.helpers import HF_VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB, ITERS, INTERVAL = 300, 40, 10
-CHOICE = """task: bench_choice
-dataset_path: json
-dataset_kwargs:
-  data_files: {data}
-test_split: train
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{gold}}}}"
-metric_list:
-  - metric: acc
-"""
-GENERATE = """task: bench_generate
-dataset_path: json
-dataset_kwargs:
-  data_files: {data}
-test_split: train
-output_type: generate_until
-doc_to_text: "{{{{context}}}}"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: ["w7"]
-  max_gen_toks: 8
-  do_sample: false
-metric_list:
-  - metric: exact_match
-"""
-
-
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randrange(1, VOCAB - 1)}" for _ in range(n))
+ITERS, INTERVAL = 40, 10
+TASKS = ("words_choice", "words_generate")  # tests/test_lm_eval.py's local tasks
 
 
 def prepare(root: Path) -> tuple[Path, list[Path]]:
-    """A word-level tokenizer folder and the two task files."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A word-level tokenizer folder and the task files."""
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"</s>": VOCAB - 1}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>").save_pretrained(root / "tokenizer")
+    from tests.helpers import word_level_tokenizer
+    from tests.test_lm_eval import TASKS as TEMPLATES
+    from tests.test_lm_eval import _documents
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level_tokenizer(), eos_token="</s>")
+    tokenizer.save_pretrained(root / "tokenizer")
     rng = random.Random(0)
     tasks = []
-    for name, template, document in (
-            ("bench_choice", CHOICE, lambda: {"context": _words(rng, 12), "choices": [_words(rng, 2) for _ in range(4)],
-                                              "gold": rng.randrange(4)}),
-            ("bench_generate", GENERATE, lambda: {"context": _words(rng, 12), "answer": _words(rng, 2)})):
+    for name in TASKS:
         data = root / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(document()) + "\n" for _ in range(200)))
-        (root / f"{name}.yaml").write_text(template.format(data=data))
+        data.write_text("".join(json.dumps(document) + "\n" for document in _documents(name, rng)))
+        (root / f"{name}.yaml").write_text(TEMPLATES[name].format(path=data))
         tasks.append(root / f"{name}.yaml")
     return root / "tokenizer", tasks
 
@@ -108,30 +79,33 @@ def harness_seconds(save: Path, tasks: list[Path], limit: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--limit", type=int, default=40)
+    parser.add_argument("--limit", type=int, default=10)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         tokenizer, tasks = prepare(root)
-        common = ["--model-preset", "llama-tiny", "--num-layers", "2", "--vocab-size", str(VOCAB), "--seq-length", "64",
-                  "--max-position-embeddings", "64", "--mock-data", "--tokenizer-type", "HuggingFaceTokenizer",
-                  "--tokenizer-model", str(tokenizer), "--micro-batch-size", "2", "--global-batch-size", "2",
-                  "--train-iters", str(ITERS), "--eval-interval", str(INTERVAL), "--eval-iters", "1",
-                  "--log-interval", str(ITERS), "--device", "cpu"]
-        plain, with_tasks = [], []
+        common = ["--model-preset", "llama-tiny", "--num-layers", "2", "--vocab-size", str(HF_VOCAB),
+                  "--seq-length", "64", "--max-position-embeddings", "64", "--mock-data",
+                  "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer),
+                  "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", str(ITERS),
+                  "--eval-interval", str(INTERVAL), "--eval-iters", "1", "--log-interval", str(ITERS),
+                  "--device", "cpu"]
+        plain, started, with_tasks = [], [], []
+        eval_tasks = ["--eval-tasks", *map(str, tasks), "--eval-task-limit", str(args.limit)]
         for repeat in range(args.repeats):
             plain.append(run(common))
+            started.append(run([*common, *eval_tasks, "--eval-interval", str(10 * ITERS)]))  # set up, never run
             save = root / f"run{repeat}"
-            with_tasks.append(run([*common, "--eval-tasks", *map(str, tasks), "--eval-task-limit", str(args.limit),
-                                   "--save", str(save)]))
+            with_tasks.append(run([*common, *eval_tasks, "--save", str(save)]))
         harness = harness_seconds(save, tasks, args.limit)
     evaluations = ITERS // INTERVAL
-    extra = statistics.median(with_tasks) - statistics.median(plain)
+    median = statistics.median
+    per_evaluation = (median(with_tasks) - median(started)) / evaluations
     figures = {"train_iters": ITERS, "evaluations": evaluations, "documents_per_task": args.limit,
-               "run_s_without": round(statistics.median(plain), 2),
-               "run_s_with": round(statistics.median(with_tasks), 2),
-               "extra_s": round(extra, 2), "harness_s_per_evaluation": round(harness, 2),
-               "extra_over_harness": round(extra / (evaluations * harness), 3)}
+               "run_s_without": round(median(plain), 2), "run_s_with": round(median(with_tasks), 2),
+               "setup_s": round(median(started) - median(plain), 2), "per_evaluation_s": round(per_evaluation, 2),
+               "harness_s_per_evaluation": round(harness, 2), "per_evaluation_over_harness": round(
+                   per_evaluation / harness, 3)}
     print(json.dumps(figures, indent=1))
     record_result("downstream_eval", figures, sys.argv)
 
