@@ -201,9 +201,12 @@ def test_an_unknown_task_or_missing_task_data_is_one_line(models_and_tasks, tmp_
 
 
 def test_downstream_scores_during_training_equal_the_harness_on_the_checkpoints_saved_there(models_and_tasks,
-                                                                                          tmp_path):
-    """--eval-tasks scores the live model every --eval-interval iterations; each logged score (JSONL and
-    TensorBoard) equals tools/run_lm_eval.py's model on the checkpoint saved at that iteration."""
+                                                                                          tmp_path, monkeypatch):
+    """--eval-tasks scores the live model every --eval-interval iterations; each logged score (JSONL, TensorBoard,
+    W&B) equals tools/run_lm_eval.py's model on the checkpoint saved at that iteration, a resumed run goes on
+    logging them, and the trained checkpoint, exported to Hugging Face, scores the same with lm-eval's hf model."""
+    import glob
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     import pretrain_gpt
@@ -211,7 +214,9 @@ def test_downstream_scores_during_training_equal_the_harness_on_the_checkpoints_
     from megatron_lite.evaluation.harness_model import MegatronLiteLM
     from megatron_lite.evaluation.in_training import DownstreamEvaluation
     from megatron_lite.training.loop import pretrain
+    from tests.wandb_records import read_run
 
+    monkeypatch.setenv("WANDB_MODE", "offline")
     hf_dir, _, task_dir = models_and_tasks
     tasks = ("words_choice", "words_generate")
     values = {"model_preset": "llama-tiny", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
@@ -219,25 +224,38 @@ def test_downstream_scores_during_training_equal_the_harness_on_the_checkpoints_
               "max_position_embeddings": 64, "mock_data": True, "tokenizer_type": "HuggingFaceTokenizer",
               "tokenizer_model": hf_dir, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 4,
               "lr": 3e-3, "eval_interval": 2, "eval_iters": 1, "log_interval": 1, "save": str(tmp_path / "run"),
-              "save_interval": 2, "metrics_jsonl": str(tmp_path / "metrics.jsonl"),
-              "tensorboard_dir": str(tmp_path / "tb"),
+              "load": str(tmp_path / "run"), "save_interval": 2, "metrics_jsonl": str(tmp_path / "metrics.jsonl"),
+              "tensorboard_dir": str(tmp_path / "tb"), "wandb_project": "downstream", "wandb_exp_name": "tiny",
+              "wandb_save_dir": str(tmp_path),
               "eval_tasks": [str(Path(task_dir) / f"{task}.yaml") for task in tasks], "eval_task_limit": 4}
-    config = make_config(values, 1)
-    pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
-             non_loss_data_func=DownstreamEvaluation(config))
+    for train_iters in (4, 6):  # the second run resumes from iteration 4
+        config = make_config({**values, "train_iters": train_iters}, 1)
+        pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                 non_loss_data_func=DownstreamEvaluation(config))
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
               if "downstream/words_choice/acc" in line]
-    assert [record["iteration"] for record in logged] == [2, 4]
+    assert [record["iteration"] for record in logged] == [2, 4, 6]
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
+    first_run = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")))[0]
+    in_wandb = [record for record in read_run(first_run)["history"] if "downstream/words_choice/acc" in record]
+    names = ("words_choice/acc", "words_choice/acc_norm", "words_generate/exact_match")
     for record in logged:
         offline = evaluate(MegatronLiteLM(load=str(tmp_path / "run"), iteration=record["iteration"]), None, task_dir,
-                           tasks, limit=4)["results"]
-        for name in ("words_choice/acc", "words_choice/acc_norm", "words_generate/exact_match"):
+                           tasks, limit=4)
+        for name in names:
             task, metric = name.split("/")
-            assert record[f"downstream/{name}"] == pytest.approx(offline[task][f"{metric},none"]), name
+            assert record[f"downstream/{name}"] == pytest.approx(offline["results"][task][f"{metric},none"]), name
             scalars = {event.step: event.value for event in events.Scalars(f"downstream/{name}")}
             assert scalars[record["iteration"]] == pytest.approx(record[f"downstream/{name}"], rel=1e-6), name
+    assert [json.loads(r["downstream/words_choice/acc"]) for r in in_wandb[:2]] == pytest.approx(
+        [record["downstream/words_choice/acc"] for record in logged[:2]])
+    convert("--direction", "mlite-to-hf", "--load-dir", str(tmp_path / "run"), "--iteration", "6", "--save-dir",
+            str(tmp_path / "hf6"))
+    PreTrainedTokenizerFast = __import__("transformers").PreTrainedTokenizerFast
+    PreTrainedTokenizerFast(tokenizer_object=word_level_tokenizer(), eos_token="</s>").save_pretrained(tmp_path / "hf6")
+    _compare(offline, evaluate("hf", f"pretrained={tmp_path / 'hf6'},dtype=float32,device=cpu", task_dir, tasks,
+                               limit=4), tasks)
 
 
 def test_eval_tasks_that_cannot_run_are_one_line_before_training():
