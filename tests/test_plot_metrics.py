@@ -35,6 +35,23 @@ def test_two_runs_render_to_a_png_of_the_asked_size(tmp_path, capsys):
     assert f"wrote {output}" in capsys.readouterr().out
 
 
+def test_downstream_scores_get_a_panel_of_their_own(tmp_path):
+    path = tmp_path / "run.jsonl"
+    _write_run(path, [7.0, 6.0, 5.5, 5.0], {2: 6.2, 4: 5.3})
+    with open(path, "a") as f:
+        for iteration, acc in ((2, 0.25), (4, 0.5)):
+            f.write(json.dumps({"iteration": iteration, "downstream/cloze/acc": acc,
+                                "downstream/cloze/acc_norm": acc / 2}) + "\n")
+    figure = plot_metrics.plot_runs({"run": plot_metrics.read_metrics(str(path))}, str(tmp_path / "c.png"), 6, 6, 50)
+    panel = figure.axes[-1]
+    assert len(figure.axes) == 6 and panel.get_title() == "downstream"
+    assert [tuple(line.get_ydata()) for line in panel.lines] == [(0.25, 0.5), (0.125, 0.25)]
+    plain = tmp_path / "plain.jsonl"
+    _write_run(plain, [7.0, 6.0], {})
+    assert len(plot_metrics.plot_runs({"run": plot_metrics.read_metrics(str(plain))}, str(tmp_path / "p.png"), 6, 4,
+                                      50).axes) == 5
+
+
 def test_a_resumed_run_counts_the_later_record_of_an_iteration(tmp_path):
     path = tmp_path / "run.jsonl"
     _write_run(path, [7.0, 6.0, 5.5], {})

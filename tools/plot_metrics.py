@@ -4,7 +4,8 @@
     python tools/plot_metrics.py runs/tp2.jsonl runs/pp2.jsonl --labels TP2 PP2 --output compare.png
 
 Five panels against iteration: loss (training solid, validation dashed with dots), learning rate, gradient
-norm, tokens/s and memory. Each run is labelled with its file name (without .jsonl) unless --labels names
+norm, tokens/s and memory; below them a sixth, downstream scores (`--eval-tasks`: each task/metric a line
+style), when a run logged any. Each run is labelled with its file name (without .jsonl) unless --labels names
 them. A resumed run appends to its file; where an iteration appears twice, the later record wins, as it is
 the one the resumed run trained. Needs matplotlib: pip install 'megatron-lite[plot]'.
 """
@@ -29,6 +30,8 @@ PANELS = (("loss", ("lm_loss", "valid_lm_loss")), ("learning rate", ("lr",)), ("
           ("tokens/s", ("tokens_per_sec",)), ("memory (GiB)", ("memory_gib",)))
 
 Series = dict[str, dict[int, float]]  # metric -> iteration -> value
+DOWNSTREAM = "downstream/"  # the prefix of --eval-tasks scores (task/metric)
+_LINE_STYLES = ("-", "--", ":", "-.")
 _MAX_PIXELS = 2**16  # matplotlib's Agg renderer refuses pictures this wide or high
 
 
@@ -70,13 +73,14 @@ def read_metrics(path: str) -> Series:
     return series
 
 
-def plot_runs(runs: dict[str, Series], output: str, width: float, height: float, dpi: int) -> None:
+def plot_runs(runs: dict[str, Series], output: str, width: float, height: float, dpi: int):
     """Write the panels of every run to `output` (PNG, SVG or PDF by its extension), `width` x `height`
-    inches at `dpi`: a PNG is width*dpi x height*dpi pixels."""
+    inches at `dpi`: a PNG is width*dpi x height*dpi pixels. Returns the figure."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
-    grid = figure.add_gridspec(2, 3)
+    downstream = sorted({name for series in runs.values() for name in series if name.startswith(DOWNSTREAM)})
+    grid = figure.add_gridspec(3 if downstream else 2, 3)
     axes = [figure.add_subplot(grid[0, :2]), figure.add_subplot(grid[0, 2]),
             *(figure.add_subplot(grid[1, column]) for column in range(3))]
     colours = [f"C{i % 10}" for i in range(len(runs))]
@@ -89,7 +93,24 @@ def plot_runs(runs: dict[str, Series], output: str, width: float, height: float,
         if not ax.lines:
             ax.text(0.5, 0.5, "not in the metrics", ha="center", va="center", transform=ax.transAxes)
     axes[0].legend()
+    if downstream:
+        _draw_downstream(figure.add_subplot(grid[2, :]), runs, downstream, colours)
     figure.savefig(output, dpi=dpi)
+    return figure
+
+
+def _draw_downstream(ax, runs: dict[str, Series], names: list[str], colours: list[str]) -> None:
+    """Every run's downstream scores: a colour per run, a line style per task/metric."""
+    for (label, series), colour in zip(runs.items(), colours):
+        for index, name in enumerate(names):
+            points = sorted(series.get(name, {}).items())
+            if points:
+                ax.plot(*zip(*points), color=colour, linestyle=_LINE_STYLES[index % len(_LINE_STYLES)], marker="o",
+                        label=f"{label} {name.removeprefix(DOWNSTREAM)}")
+    ax.set_title("downstream")
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
 
 
 def _draw(ax, series: Series, metrics: tuple[str, ...], label: str, colour: str) -> None:
