@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_lite.evaluation.in_training import DownstreamEvaluation
 
             downstream = DownstreamEvaluation(config)
-        pretrain(config, model_provider, forward_step, non_loss_data_func=downstream)
+        pretrain(config, model_provider, forward_step, downstream)
     except UserError as error:
         return _fail(error, debug, world_size, status=getattr(error, "exit_code", 1))
     except RuntimeError as error:  # a stuck or dead rank, when it is one
