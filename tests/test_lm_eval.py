@@ -74,10 +74,10 @@ def _documents(task: str, rng: random.Random) -> list[dict]:
     if task == "words_choice":
         return [{"context": _words(rng, rng.randrange(3, 9)), "choices": [_words(rng, rng.randrange(1, 4))
                                                                           for _ in range(4)], "gold": i % 4}
-                for i in range(8)]
+                for i in range(12)]
     if task == "words_rolling":  # longer than the model's 64 positions: several windows
-        return [{"text": _words(rng, rng.randrange(70, 150))} for _ in range(2)]
-    return [{"context": _words(rng, rng.randrange(3, 9)), "answer": _words(rng, 2)} for _ in range(5)]
+        return [{"text": _words(rng, rng.randrange(20, 150))} for _ in range(4)]
+    return [{"context": _words(rng, rng.randrange(3, 9)), "answer": _words(rng, 2)} for _ in range(6)]
 
 
 @pytest.fixture(scope="module")
