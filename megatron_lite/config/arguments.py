@@ -61,7 +61,7 @@ _VALUE_NAMES = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES"),
                 "hierarchical_context_parallel_sizes": ("A", "B")}
 
 
-def _field_owner() -> dict[str, str]:
+def field_owner() -> dict[str, str]:
     """Map every flag's field name to the section that holds it."""
     owner = {}
     for section in dataclasses.fields(Config):
@@ -159,7 +159,7 @@ def with_preset(values: dict) -> dict:
 
 def make_config(values: dict, world_size: int = 1) -> Config:
     """Build a validated Config from flat flag values (field names), applying a model preset first."""
-    owner = _field_owner()
+    owner = field_owner()
     merged = with_preset(values)
     config = Config()
     for name, value in merged.items():

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from megatron_lite.checkpoint.sharded import ShardedTensor
-from megatron_lite.config.arguments import make_config
+from megatron_lite.config.arguments import field_owner, make_config
 from megatron_lite.config.flag_dependencies import acting_flags
 from megatron_lite.config.layer_pattern import moe_layer_pattern
 from megatron_lite.config.sections import Config
@@ -77,8 +77,7 @@ def config_from_megatron_flags(values: dict, tp: int, pp: int, source: str) -> t
     """The validated Config of the carried flag values, and the carried flags that do not act in this model
     (e.g. Megatron's default --kv-lora-rank in a model without MLA), which are left out."""
     raw = Config()
-    owner = {f.name: section.name for section in dataclasses.fields(Config)
-             for f in dataclasses.fields(section.default_factory())}
+    owner = field_owner()
     for name, value in values.items():
         setattr(getattr(raw, owner[name]), name, value)
     acting = acting_flags(raw, list(values))
