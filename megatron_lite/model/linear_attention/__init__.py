@@ -1,0 +1,1 @@
+"""Linear-attention token mixers: Gated DeltaNet and its delta rule."""
