@@ -120,7 +120,7 @@ def test_dense_first_layers_have_their_own_ffn_size():
 @pytest.mark.parametrize(("freq", "message"), [
     ("__import__('os').system('true')", "Call is not allowed"),
     ("[0]*3", "the pattern has 3 entries for 4 layers"),
-    ("[2]*4", "may hold only 0 (dense) and 1 (MoE)"),
+    ("[2]*4", "may hold only 0 and 1"),
     ("[1]*100000*100000", "more than any model has"),
     ("0", "the frequency (0) must be at least 1"),
     ("[0,1", "is neither an integer nor a list expression"),

@@ -30,6 +30,7 @@ __all__ = ["ConfigError", "build_parser", "field_docs", "make_config", "parse_co
 # Flags that are switches (store_true) and flags that take several values; the rest take one value
 # whose type is read off the dataclass field.
 _CHOICES = {
+    "experimental_attention_variant": ["gated_delta_net"],
     "normalization": ["LayerNorm", "RMSNorm"],
     "position_embedding_type": ["learned_absolute", "rope"],
     "moe_token_dispatcher_type": ["alltoall", "allgather"],
@@ -85,18 +86,20 @@ def _item_type(f: dataclasses.Field):
 
 
 def field_docs(section: type) -> dict[str, str]:
-    """Each field's docstring (the string under it), which is its flag's --help, as torchtitan's job config has.
-    A field without one is a flag that does not say what it means: the parser refuses to be built."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(section))).body[0].body
+    """Each field's docstring (the string under it), which is its flag's --help, as torchtitan's job config has,
+    for the section's own fields and those of the sections it extends. A field without one is a flag that does
+    not say what it means: the parser refuses to be built."""
     docs = {}
-    for statement, following in zip(body, body[1:] + [None]):
-        if isinstance(statement, ast.AnnAssign):
-            documented = (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                          and isinstance(following.value.value, str))
-            if not documented:
-                raise TypeError(f"config field {section.__name__}.{statement.target.id} has no docstring; write "
-                                f"what its flag means under it")
-            docs[statement.target.id] = " ".join(following.value.value.split())
+    for part in reversed(section.__mro__[:-1]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(part))).body[0].body
+        for statement, following in zip(body, body[1:] + [None]):
+            if isinstance(statement, ast.AnnAssign):
+                documented = (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                              and isinstance(following.value.value, str))
+                if not documented:
+                    raise TypeError(f"config field {part.__name__}.{statement.target.id} has no docstring; write "
+                                    f"what its flag means under it")
+                docs[statement.target.id] = " ".join(following.value.value.split())
     return docs
 
 

@@ -71,6 +71,7 @@ _SHARDED = needs("data_parallel_sharding_strategy", values=("optim", "optim_grad
                  says="--use-distributed-optimizer (or a --data-parallel-sharding-strategy other than no_shard)")
 _MOE = needs("num_experts")
 _MLA = needs("multi_latent_attention")
+_LINEAR_ATTENTION = needs("experimental_attention_variant")
 _FP8 = needs("fp8_format")
 _PP = needs("pipeline_model_parallel_size", above=1)
 _FP16 = needs("fp16")
@@ -105,6 +106,9 @@ RULES: dict[str, tuple[Needs | Excludes, ...]] = {
                                   "moe_router_load_balancing_type", "moe_router_num_groups",
                                   "moe_shared_expert_intermediate_size", "expert_model_parallel_size",
                                   "expert_tensor_parallel_size")},
+    **{name: (_LINEAR_ATTENTION,) for name in ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+                                               "linear_value_head_dim", "linear_num_key_heads",
+                                               "linear_num_value_heads")},
     "moe_router_pre_softmax": (_MOE, needs("moe_router_score_function", values=("softmax",))),
     "moe_router_enable_expert_bias": (_MOE, needs("moe_router_score_function", values=("sigmoid",))),
     "moe_router_bias_update_rate": (needs("moe_router_enable_expert_bias"),),
@@ -187,7 +191,7 @@ STANDS_ALONE = frozenset({
     "max_position_embeddings", "normalization", "norm_epsilon", "swiglu", "position_embedding_type", "kv_channels",
     "qk_layernorm", "multi_latent_attention", "untie_embeddings_and_output_weights", "disable_bias_linear",
     "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by", "model_preset",
-    "num_experts", "fp8_format", "mtp_num_layers", "recompute_granularity", "attention_backend", "torch_compile",
+    "num_experts", "fp8_format", "mtp_num_layers", "experimental_attention_variant", "recompute_granularity", "attention_backend", "torch_compile",
     # --vocab-size sizes --mock-data and NullTokenizer corpora; with a tokenizer its vocabulary wins (presets set it)
     "vocab_size",
     "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",

@@ -1,11 +1,15 @@
-"""Which transformer layers are MoE layers: --moe-layer-freq in Megatron's three forms, read without eval.
+"""Which transformer layers are MoE layers and which mix tokens by linear attention: --moe-layer-freq and
+--linear-attention-freq in Megatron's three forms, read without eval.
 
 Megatron's --moe-layer-freq is an integer N (layers 0, N, 2N, .. are MoE layers, the others dense), the same
 integer as a string, or a Python list expression of 0s and 1s, one per layer ("([0]*3+[1]*58)": three dense
-layers, then 58 MoE layers, DeepSeek-V3's stack). Megatron evaluates the expression with eval after a character
-filter; here it is parsed into a syntax tree of which only integer literals, lists of them, + and * are
-evaluated, so no other code can run. Every part of the package that needs to know a layer's kind (the model
-builder, the planner, the FLOP count, the Hugging Face conversion) asks `moe_layer_pattern`.
+layers, then 58 MoE layers, DeepSeek-V3's stack). --linear-attention-freq takes the same forms, an integer N
+meaning N - 1 linear-attention layers then one softmax-attention layer, repeated (Qwen3-Next: 4), a list 1 for
+a linear-attention layer and 0 for softmax attention. Megatron evaluates the expression with eval after a
+character filter; here it is parsed into a syntax tree of which only integer literals, lists of them, + and *
+are evaluated, so no other code can run. Every part of the package that needs to know a layer's kind (the
+model builder, the planner, the FLOP count, the Hugging Face conversion) asks `moe_layer_pattern` and
+`linear_attention_pattern`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ _LONGEST_PATTERN = 100_000  # layers
 
 
 class LayerPatternError(ValueError):
-    """--moe-layer-freq cannot be read; the message says what to write instead."""
+    """A layer pattern cannot be read; the message says what to write instead."""
 
 
 def _evaluate(node: ast.AST):
@@ -50,9 +54,9 @@ def _evaluate(node: ast.AST):
                             f"([0]*3+[1]*5)")
 
 
-def parse_moe_layer_freq(value, num_layers: int) -> list[bool]:
-    """--moe-layer-freq (int, numeric string, list expression string, or list of 0/1) -> one bool per layer,
-    True for an MoE layer. Raises LayerPatternError with what to change."""
+def _read_pattern(value, num_layers: int) -> int | list[int]:
+    """A pattern flag (int, numeric string, list expression string, or list of 0/1) -> its integer, or its list
+    of one 0 or 1 per layer. Raises LayerPatternError with what to change."""
     if isinstance(value, str):
         if len(value) > _LONGEST_EXPRESSION:
             raise LayerPatternError(f"the expression is longer than {_LONGEST_EXPRESSION} characters")
@@ -67,11 +71,28 @@ def parse_moe_layer_freq(value, num_layers: int) -> list[bool]:
     if isinstance(value, int):
         if value < 1:
             raise LayerPatternError(f"the frequency ({value}) must be at least 1")
-        return [layer % value == 0 for layer in range(num_layers)]
+        return value
     if any(isinstance(item, bool) or item not in (0, 1) for item in value):
-        raise LayerPatternError(f"the pattern may hold only 0 (dense) and 1 (MoE), got {sorted(set(value))}")
+        raise LayerPatternError(f"the pattern may hold only 0 and 1, got {sorted(set(value))}")
     if len(value) != num_layers:
         raise LayerPatternError(f"the pattern has {len(value)} entries for {num_layers} layers; give one per layer")
+    return value
+
+
+def parse_moe_layer_freq(value, num_layers: int) -> list[bool]:
+    """--moe-layer-freq -> one bool per layer, True for an MoE layer (every N-th from the first, or 1 in a list)."""
+    value = _read_pattern(value, num_layers)
+    if isinstance(value, int):
+        return [layer % value == 0 for layer in range(num_layers)]
+    return [item == 1 for item in value]
+
+
+def parse_linear_attention_freq(value, num_layers: int) -> list[bool]:
+    """--linear-attention-freq -> one bool per layer, True for a linear-attention layer: N - 1 of them before each
+    N-th layer, which is softmax attention, or 1 in a list."""
+    value = _read_pattern(value, num_layers)
+    if isinstance(value, int):
+        return [(layer + 1) % value != 0 for layer in range(num_layers)]
     return [item == 1 for item in value]
 
 
@@ -87,9 +108,9 @@ def moe_layer_pattern(config: ModelConfig) -> list[bool]:
 
 
 @functools.lru_cache(maxsize=64)
-def _parsed(freq: int | str, num_layers: int) -> tuple[bool, ...]:
+def _parsed(freq: int | str, num_layers: int, parse=parse_moe_layer_freq) -> tuple[bool, ...]:
     """The planner asks once per layer and layout: each expression is read once."""
-    return tuple(parse_moe_layer_freq(freq, num_layers))
+    return tuple(parse(freq, num_layers))
 
 
 def is_moe_layer(config: ModelConfig, layer_number: int) -> bool:
@@ -100,12 +121,34 @@ def is_moe_layer(config: ModelConfig, layer_number: int) -> bool:
     return pattern[min(layer_number, len(pattern) - 1)]
 
 
+def linear_attention_pattern(config: ModelConfig) -> list[bool]:
+    """One bool per layer of the decoder, True where the layer mixes tokens by linear attention
+    (--experimental-attention-variant) instead of softmax attention; all False without the variant."""
+    if config.experimental_attention_variant is None:
+        return [False] * config.num_layers
+    freq = config.linear_attention_freq
+    if isinstance(freq, list):
+        return parse_linear_attention_freq(freq, config.num_layers)
+    return list(_parsed(freq, config.num_layers, parse_linear_attention_freq))
+
+
+def is_linear_attention_layer(config: ModelConfig, layer_number: int) -> bool:
+    """Whether global layer `layer_number` (0-based) is a linear-attention layer; a multi-token prediction layer
+    is of the last decoder layer's kind."""
+    pattern = linear_attention_pattern(config)
+    return pattern[min(layer_number, len(pattern) - 1)]
+
+
 def layer_pattern_problems(config: ModelConfig) -> list[str]:
-    """One line if --moe-layer-freq cannot be read for this model, else nothing."""
-    if not config.num_experts:
-        return []
-    try:
-        parse_moe_layer_freq(config.moe_layer_freq, config.num_layers)
-    except LayerPatternError as error:
-        return [f"--moe-layer-freq {config.moe_layer_freq!r}: {error}"]
-    return []
+    """One line for each of --moe-layer-freq and --linear-attention-freq that cannot be read for this model."""
+    problems = []
+    for flag, active, value, parse in (
+            ("--moe-layer-freq", config.num_experts, config.moe_layer_freq, parse_moe_layer_freq),
+            ("--linear-attention-freq", config.experimental_attention_variant, config.linear_attention_freq,
+             parse_linear_attention_freq)):
+        try:
+            if active:
+                parse(value, config.num_layers)
+        except LayerPatternError as error:
+            problems.append(f"{flag} {value!r}: {error}")
+    return problems

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megatron_lite.config.attention_variants import AttentionVariantsConfig
 from megatron_lite.data.samplers import rampup_global_batch_size
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(AttentionVariantsConfig):
     num_layers: int = 2
     """transformer layers of the decoder"""
     hidden_size: int = 128

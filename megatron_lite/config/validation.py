@@ -60,7 +60,8 @@ _INT_MINIMUMS = {
     "tensorboard_log_interval": 1, "train_samples": 1, "lr_warmup_samples": 0, "lr_decay_samples": 1,
     "lr_wsd_decay_iters": 1, "lr_wsd_decay_samples": 1, "profile_step_start": 0, "profile_step_end": 1,
     "kv_channels": 1, "rope_scaling_original_max_position_embeddings": 1, "mtp_num_layers": 1,
-    "straggler_minmax_count": 1,
+    "straggler_minmax_count": 1, "linear_attention_freq": 1, "linear_conv_kernel_dim": 1, "linear_key_head_dim": 1,
+    "linear_value_head_dim": 1, "linear_num_key_heads": 1, "linear_num_value_heads": 1,
 }
 _POSITIVE_FLOATS = {"rotary_base", "norm_epsilon", "moe_expert_capacity_factor", "moe_router_topk_scaling_factor",
                     "moe_router_bias_update_rate", "loss_scale", "initial_loss_scale",

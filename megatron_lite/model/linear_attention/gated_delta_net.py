@@ -1,0 +1,108 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3-Next and Qwen3.5 (--experimental-attention-variant
+gated_delta_net), in the layers --linear-attention-freq picks.
+
+    x -> in_proj -> q, k, v, z (output gate), b (write strength), a (decay)
+    q, k, v -> causal depthwise convolution (--linear-conv-kernel-dim) -> SiLU; q, k L2-normalized per head
+    beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) -> the gated delta rule (delta_rule.py)
+    -> RMSNorm of each value head, times SiLU(z) -> out_proj
+
+Each of the `linear_num_key_heads` query/key heads serves linear_num_value_heads / linear_num_key_heads value
+heads. The projection's rows are laid out per key head, [q, k, v, z, b, a] for each key head and the value heads
+it serves, and the convolution's channels per key head, [q, k, v]; tensor parallelism splits the key heads, so
+each rank's contiguous slice of both holds whole heads, the rule runs on local heads with no communication, and
+the output projection is row-parallel, as in softmax attention.
+
+Documents in a packed sequence (--reset-attention-mask): the convolution reads no token of an earlier document
+and the rule's state restarts at each document's first token.
+
+Initialization is the model's: the projections and the convolution normal, A_log 0 (A = 1) and dt_bias 1, the
+norm's weight 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.config.sections import ModelConfig
+from megatron_lite.model.linear_attention.delta_rule import chunk_gated_delta_rule
+from megatron_lite.model.sharding import ShardSpec, new_parameter
+from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.parallel.state import ParallelState
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dimension, in fp32 (flash-linear-attention's l2norm)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def document_starts(ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] document ids -> [b, s] bool, True at each token that starts a document after the first."""
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return starts
+
+
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """x [s, b, c] convolved along s with weight [c, kernel], each channel on its own, position t reading
+    t - kernel + 1 .. t (weight[:, -1] on t itself); taps that reach into an earlier document (ids [b, s]) or
+    before the sequence read zero."""
+    kernel = weight.shape[-1]
+    out = x * weight[:, -1]
+    for shift in range(1, kernel):
+        earlier = F.pad(x[:-shift], (0, 0, 0, 0, shift, 0))  # earlier[t] = x[t - shift]
+        if ids is not None:
+            same = F.pad(ids[:, shift:] == ids[:, :-shift], (shift, 0)).t().unsqueeze(-1)  # [s, b, 1]
+            earlier = earlier * same
+        out = out + earlier * weight[:, kernel - 1 - shift]
+    return out
+
+
+class GatedDeltaNet(torch.nn.Module):
+    """The token mixer of a linear-attention layer: [s, b, h] -> [s, b, h] (sequence slices under sequence
+    parallelism), called as softmax attention is, with the layer's positions (their documents are used)."""
+
+    def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool):
+        super().__init__()
+        tp = pstate.tp_size
+        self.key_heads = config.linear_num_key_heads // tp
+        self.values_per_key = config.linear_num_value_heads // config.linear_num_key_heads
+        self.value_heads = self.key_heads * self.values_per_key
+        self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.eps = config.norm_epsilon
+        group = self.values_per_key
+        self.split_sizes = [self.key_dim, self.key_dim, group * self.value_dim, group * self.value_dim, group, group]
+        per_key_head = sum(self.split_sizes)
+        self.in_proj = ColumnParallelLinear(config.hidden_size, config.linear_num_key_heads * per_key_head, pstate,
+                                            bias=False, sequence_parallel=sequence_parallel)
+        conv_channels = config.linear_num_key_heads * (2 * self.key_dim + group * self.value_dim)
+        self.conv1d_weight = new_parameter(ShardSpec((conv_channels, config.linear_conv_kernel_dim), tp_dim=0), tp)
+        heads = config.linear_num_value_heads
+        self.A_log = new_parameter(ShardSpec((heads,), tp_dim=0, init="zeros"), tp)
+        self.dt_bias = new_parameter(ShardSpec((heads,), tp_dim=0, init="ones"), tp)
+        self.norm_weight = new_parameter(ShardSpec((self.value_dim,), init="ones", sequence_parallel=tp > 1), 1)
+        self.out_proj = RowParallelLinear(heads * self.value_dim, config.hidden_size, pstate, bias=False,
+                                          sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor, positions=None, kv_cache=None) -> torch.Tensor:
+        if kv_cache is not None:
+            raise NotImplementedError("generation with Gated DeltaNet layers needs a recurrent-state cache")
+        ids = positions.documents.ids.to(x.device) if positions is not None and positions.documents else None
+        mixed = self.in_proj(x)  # [s, b, local key heads * per_key_head]
+        s, b = mixed.shape[:2]
+        q, k, v, z, write, decay = mixed.view(s, b, self.key_heads, -1).split(self.split_sizes, dim=-1)
+        qkv = torch.cat([q, k, v], dim=-1).reshape(s, b, -1)
+        qkv = F.silu(causal_depthwise_conv(qkv, self.conv1d_weight, ids))
+        q, k, v = qkv.view(s, b, self.key_heads, -1).split(self.split_sizes[:3], dim=-1)
+        q = l2_normalize(q).repeat_interleave(self.values_per_key, dim=2)  # [s, b, value heads, dk]
+        k = l2_normalize(k).repeat_interleave(self.values_per_key, dim=2)
+        v = v.reshape(s, b, self.value_heads, self.value_dim)
+        beta = torch.sigmoid(write.reshape(s, b, self.value_heads).float())
+        g = -self.A_log.float().exp() * F.softplus(decay.reshape(s, b, self.value_heads).float() + self.dt_bias)
+        out, _ = chunk_gated_delta_rule(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), scale=self.key_dim ** -0.5,
+                                        resets=None if ids is None else document_starts(ids))
+        out = out.transpose(0, 1)  # [s, b, value heads, dv]
+        normed = F.rms_norm(out.float(), (self.value_dim,), self.norm_weight.float(), self.eps)
+        gated = normed * F.silu(z.reshape(s, b, self.value_heads, self.value_dim).float())
+        return self.out_proj(gated.to(x.dtype).reshape(s, b, -1))
