@@ -191,7 +191,8 @@ STANDS_ALONE = frozenset({
     "max_position_embeddings", "normalization", "norm_epsilon", "swiglu", "position_embedding_type", "kv_channels",
     "qk_layernorm", "multi_latent_attention", "untie_embeddings_and_output_weights", "disable_bias_linear",
     "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by", "model_preset",
-    "num_experts", "fp8_format", "mtp_num_layers", "experimental_attention_variant", "recompute_granularity", "attention_backend", "torch_compile",
+    "num_experts", "fp8_format", "mtp_num_layers", "experimental_attention_variant", "recompute_granularity",
+    "attention_backend", "torch_compile",
     # --vocab-size sizes --mock-data and NullTokenizer corpora; with a tokenizer its vocabulary wins (presets set it)
     "vocab_size",
     "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
