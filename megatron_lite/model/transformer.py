@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_lite.config.layer_pattern import is_linear_attention_layer
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.mla import MultiLatentAttention
 from megatron_lite.model.attention.self_attention import SelfAttention
 from megatron_lite.model.fp8 import FP8Recipe
+from megatron_lite.model.linear_attention.gated_delta_net import GatedDeltaNet
 from megatron_lite.model.mlp import MLP
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel.random import RNGTracker, checkpoint
@@ -57,7 +59,8 @@ class HiddenDropout(torch.nn.Module):
 
 
 class TransformerLayer(torch.nn.Module):
-    """x + attention(norm(x)), then + mlp(norm(x)). `layer_number` is the global index (0-based).
+    """x + attention(norm(x)), then + mlp(norm(x)). `layer_number` is the global index (0-based). In a layer that
+    --linear-attention-freq makes a linear-attention layer, Gated DeltaNet takes softmax attention's place.
 
     With --fp8-format the linears of attention and of a dense MLP compute in FP8 (model/fp8.py), unless
     --first-last-layers-bf16 keeps this layer out; an MoE layer's experts, shared experts and router do not.
@@ -83,10 +86,13 @@ class TransformerLayer(torch.nn.Module):
         self.layer_number = layer_number
         fp8 = FP8Recipe.for_layer(config, layer_number)
         self.input_layernorm = Norm(config, sequence_parallel)
-        attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
-        self.self_attention = attention(config, pstate, sequence_parallel=sequence_parallel,
-                                        backend=attention_backend, rng_tracker=rng_tracker,
-                                        cp_comm_type=cp_comm_type, fp8=fp8)
+        if is_linear_attention_layer(config, layer_number):
+            self.self_attention = GatedDeltaNet(config, pstate, sequence_parallel=sequence_parallel)
+        else:
+            attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+            self.self_attention = attention(config, pstate, sequence_parallel=sequence_parallel,
+                                            backend=attention_backend, rng_tracker=rng_tracker,
+                                            cp_comm_type=cp_comm_type, fp8=fp8)
         self.pre_mlp_layernorm = Norm(config, sequence_parallel)
         self.mlp = mlp if mlp is not None else MLP(config, pstate, sequence_parallel=sequence_parallel, fp8=fp8)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)

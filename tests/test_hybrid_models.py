@@ -1,0 +1,75 @@
+"""Hybrid models, Gated DeltaNet layers between softmax-attention layers (--experimental-attention-variant
+gated_delta_net): training equals one process under TP2 + SP, PP2 x VP2 (stages and virtual stages holding either
+kind of layer) with full recomputation, ZeRO-3 over DP2, with documents packed into the sequences
+(--reset-attention-mask); the layer pattern is Megatron's; misconfigurations are one line each."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_pattern import linear_attention_pattern
+from megatron_lite.errors import ConfigError
+from tests.harness import run_on_ranks
+from tests.helpers import TINY_2_LAYERS, assert_run_matches, losses_and_norms, reference, train_and_collect
+
+LINEAR = {"experimental_attention_variant": "gated_delta_net", "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+          "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}
+# Layers 0 and 2 Gated DeltaNet, 1 and 3 softmax attention; documents packed into each sequence
+HYBRID = {**TINY_2_LAYERS, **LINEAR, "num_layers": 4, "linear_attention_freq": 2, "train_iters": 4,
+          "reset_attention_mask": True, "reset_position_ids": True}
+LAYOUTS = {  # on 2 ranks
+    "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "pp2_vp2_full_recompute": {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1,
+                               "recompute_granularity": "full"},
+}
+ZERO3 = {"use_distributed_optimizer": True, "data_parallel_sharding_strategy": "optim_grads_params"}
+
+
+def test_linear_attention_freq_is_megatrons_pattern():
+    def pattern(freq, layers=8):
+        return linear_attention_pattern(make_config({**LINEAR, "num_layers": layers, "linear_attention_freq": freq,
+                                                     "mock_data": True, "vocab_size": 64}).model)
+
+    assert pattern(4) == [True, True, True, False] * 2  # Qwen3-Next: three linear layers, then softmax attention
+    assert pattern("2") == [True, False] * 4
+    assert pattern("[1,0,0,1]*2") == [True, False, False, True] * 2
+    assert pattern(1) == [False] * 8  # N = 1: no linear layer between the softmax ones
+    assert linear_attention_pattern(make_config({"mock_data": True, "vocab_size": 64, "num_layers": 3}).model) == [False] * 3
+
+
+def _train_layouts() -> dict:
+    runs = {name: train_and_collect({**HYBRID, **flags}, 2) for name, flags in LAYOUTS.items()}
+    return runs, losses_and_norms({**HYBRID, **ZERO3}, 2)
+
+
+def test_hybrid_models_train_as_one_process_under_tp_sp_pp_vp_zero3_and_recomputation():
+    """Losses, final weights and last gradients equal one process's at TP2 + SP and PP2 x VP2; under ZeRO-3 (whose
+    parameters live sharded, gathered only for compute) every step's loss and gradient norm."""
+    expected = reference(HYBRID)
+    per_rank = run_on_ranks(2, _train_layouts)
+    for name in LAYOUTS:
+        assert_run_matches([runs[name] for runs, _ in per_rank], expected, rel=1e-5, tensor_rel=1e-4)
+    serial = losses_and_norms(HYBRID, 1)
+    for _, zero3 in per_rank:
+        for (loss, norm), (ref_loss, ref_norm) in zip(zero3, serial, strict=True):
+            assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"linear_num_value_heads": 3}, r"linear-num-value-heads \(3\) must be a multiple of linear-num-key-heads \(2\)"),
+    ({"tensor_model_parallel_size": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+      "num_attention_heads": 4, "num_query_groups": 4},
+     r"tensor-model-parallel-size \(4\) must divide linear-num-key-heads \(2\)"),
+    ({"linear_attention_freq": "[1,0,1]"}, r"--linear-attention-freq '\[1,0,1\]': the pattern has 3 entries for 4"),
+    ({"linear_attention_freq": "__import__('os')"}, r"--linear-attention-freq .*Call is not allowed"),
+    ({"context_parallel_size": 2}, "Gated DeltaNet layers do not run under context parallelism yet"),
+])
+def test_impossible_linear_attention_settings_are_one_line(values, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config({**HYBRID, **values}, 4)
+
+
+def test_linear_attention_flags_without_the_variant_are_refused():
+    with pytest.raises(ConfigError, match="--linear-num-key-heads acts only with --experimental-attention-variant"):
+        make_config({**TINY_2_LAYERS, "linear_num_key_heads": 4})
