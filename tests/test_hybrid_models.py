@@ -35,7 +35,8 @@ def test_linear_attention_freq_is_megatrons_pattern():
     assert pattern("2") == [True, False] * 4
     assert pattern("[1,0,0,1]*2") == [True, False, False, True] * 2
     assert pattern(1) == [False] * 8  # N = 1: no linear layer between the softmax ones
-    assert linear_attention_pattern(make_config({"mock_data": True, "vocab_size": 64, "num_layers": 3}).model) == [False] * 3
+    softmax_only = make_config({"mock_data": True, "vocab_size": 64, "num_layers": 3}).model
+    assert linear_attention_pattern(softmax_only) == [False] * 3
 
 
 def _train_layouts() -> dict:

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from megatron_lite.config.flag_dependencies import dependency_problems
 from megatron_lite.config.fp8_validation import fp8_problems
-from megatron_lite.config.linear_attention_validation import linear_attention_problems
 from megatron_lite.config.layer_pattern import moe_layer_pattern
 from megatron_lite.config.layer_split import pipeline_stage_layers
+from megatron_lite.config.linear_attention_validation import linear_attention_problems
 from megatron_lite.config.mla_validation import mla_problems
 from megatron_lite.config.moe_validation import expert_layout_problems
 from megatron_lite.config.mtp_validation import mtp_problems
