@@ -36,12 +36,12 @@ def _ours_from(hf) -> GatedDeltaNet:
     ours = GatedDeltaNet(config, ParallelState.single(), sequence_parallel=False)
     nk, dk = SHAPE["linear_num_key_heads"], SHAPE["linear_key_head_dim"]
     hidden = SHAPE["hidden_size"]
-    conv = hf.conv1d.weight.squeeze(1)
+    conv = hf.conv1d.weight  # [channels, 1, kernel]
     q, k, v = conv.split([nk * dk, nk * dk, conv.shape[0] - 2 * nk * dk])
     with torch.no_grad():
         ours.in_proj.weight.copy_(torch.cat([hf.in_proj_qkvz.weight.view(nk, -1, hidden),
                                              hf.in_proj_ba.weight.view(nk, -1, hidden)], dim=1).reshape(-1, hidden))
-        ours.conv1d_weight.copy_(torch.cat([part.reshape(nk, -1, conv.shape[1]) for part in (q, k, v)], dim=1)
+        ours.conv1d_weight.copy_(torch.cat([part.reshape(nk, -1, conv.shape[-1]) for part in (q, k, v)], dim=1)
                                  .reshape(conv.shape))
         ours.A_log.copy_(hf.A_log)
         ours.dt_bias.copy_(hf.dt_bias)

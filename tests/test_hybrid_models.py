@@ -74,3 +74,50 @@ def test_impossible_linear_attention_settings_are_one_line(values, message):
 def test_linear_attention_flags_without_the_variant_are_refused():
     with pytest.raises(ConfigError, match="--linear-num-key-heads acts only with --experimental-attention-variant"):
         make_config({**TINY_2_LAYERS, "linear_num_key_heads": 4})
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_the_planner_counts_the_parameters_each_rank_builds(tp, pp):
+    """Parameter shapes in module order, per rank: the planner's ZeRO buckets and memory report rest on them. (A
+    model built for TP rank 0 alone, with no process group: shapes are what the layout gives every rank.)"""
+    import torch
+
+    import pretrain_gpt
+    from megatron_lite.config.layer_split import model_chunk_plans
+    from megatron_lite.parallel.state import Layout, ParallelState
+    from megatron_lite.planning.state_memory import chunk_params
+
+    config = make_config({**HYBRID, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}, tp * pp)
+    for pp_rank in range(pp):
+        (plan,) = model_chunk_plans(config, pp_rank)
+        pstate = ParallelState.without_groups(Layout.from_world(tp * pp, tp=tp, pp=pp), pp_rank * tp)
+        model = pretrain_gpt.model_provider(config, pstate, plan, torch.device("cpu"))
+        assert [shape.numel for shape in chunk_params(config, plan)] == [p.numel() for p in model.parameters()]
+        linear_layer = model.decoder.layers[0].self_attention
+        assert type(linear_layer).__name__ == "GatedDeltaNet"
+
+
+@pytest.mark.parametrize("seq_length", [32, 100], ids=["one_partial_chunk", "two_chunks"])
+def test_model_flops_are_the_matmuls_torch_counts_in_a_forward(seq_length):
+    """The forward's matrix products as torch's FLOP counter sees them (the model FLOPs are three forwards): the
+    chunked delta rule's products over the padded chunks, both layer kinds' projections, the MLPs and the head;
+    the softmax layers' attention square (SDPA's kernel, which the counter does not see) added from its
+    definition, 2 x 2 x s x heads x head_dim."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_lite.model.flops import training_flops_per_token
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.state import ParallelState
+
+    values = {**HYBRID, "seq_length": seq_length, "max_position_embeddings": seq_length,
+              "reset_attention_mask": False, "reset_position_ids": False}
+    m = make_config(values).model
+    model = GPTModel(m, ParallelState.single(), padded_vocab=m.vocab_size, seed=1)
+    ids = torch.randint(0, m.vocab_size, (2, seq_length))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(ids, torch.arange(seq_length), labels=ids)
+    assert not any("attention" in str(op) for op in counter.get_flop_counts()["Global"])
+    softmax_layers = m.num_layers - sum(linear_attention_pattern(m))
+    counted = counter.get_total_flops() / (2 * seq_length) + softmax_layers * 4 * seq_length * 4 * m.head_dim
+    assert training_flops_per_token(m) / 3 == pytest.approx(counted, rel=1e-12)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import functools
+from typing import NamedTuple
 
 from megatron_lite.config.sections import ModelConfig
 
@@ -137,6 +138,23 @@ def is_linear_attention_layer(config: ModelConfig, layer_number: int) -> bool:
     is of the last decoder layer's kind."""
     pattern = linear_attention_pattern(config)
     return pattern[min(layer_number, len(pattern) - 1)]
+
+
+class LayerKind(NamedTuple):
+    """What a decoder layer is built of: an MoE or a dense MLP, Gated DeltaNet or softmax attention."""
+
+    moe: bool = False
+    linear_attention: bool = False
+
+
+def layer_kind(config: ModelConfig, layer_number: int) -> LayerKind:
+    """The kind of global layer `layer_number` (a multi-token prediction layer: the last decoder layer's)."""
+    return LayerKind(is_moe_layer(config, layer_number), is_linear_attention_layer(config, layer_number))
+
+
+def layer_kinds(config: ModelConfig) -> list[LayerKind]:
+    """The kind of every layer of the decoder."""
+    return [LayerKind(*kinds) for kinds in zip(moe_layer_pattern(config), linear_attention_pattern(config))]
 
 
 def layer_pattern_problems(config: ModelConfig) -> list[str]:

@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import math
+
+from megatron_lite.config.layer_pattern import linear_attention_pattern
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.mla import mla_projection_weights
+from megatron_lite.model.linear_attention.delta_rule import CHUNK_SIZE
 from megatron_lite.model.moe.layer import moe_layer_numbers
+
+
+def gated_delta_net_flops(config: ModelConfig) -> tuple[int, float]:
+    """(weights, mixing FLOPs per token) of one Gated DeltaNet layer's forward: the weights of its input and output
+    projections, and the matrix products of the chunked delta rule (delta_rule.py) for each value head, over the
+    sequence padded to whole chunks of C: per token within its chunk q k^T and k k^T (2 C dk each), the scores
+    times the corrections (2 C dv), and three products with the [dk, dv] state (read by the corrections and the
+    queries, written once: 6 dk dv). The two triangular solves are not counted (nor by torch's FLOP counter)."""
+    h, C = config.hidden_size, CHUNK_SIZE
+    keys = config.linear_num_key_heads * config.linear_key_head_dim
+    values = config.linear_num_value_heads * config.linear_value_head_dim
+    weights = h * (2 * keys + 2 * values + 2 * config.linear_num_value_heads) + values * h
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    padded = math.ceil(config.seq_length / C) * C / config.seq_length
+    mixing = config.linear_num_value_heads * (4 * C * dk + 2 * C * dv + 6 * dk * dv) * padded
+    return weights, mixing
 
 
 def training_flops_per_token(config: ModelConfig) -> float:
@@ -14,7 +34,8 @@ def training_flops_per_token(config: ModelConfig) -> float:
     token visits and the shared expert, output layer) plus the attention scores and weighted sum,
     2 * 2 * seq * hidden per layer (the full square, as Megatron counts it; heads x head size stands for
     hidden where --kv-channels sets another head size; with multi-latent attention its projections, and
-    2 * seq * heads * (query-key + value head dims)); each multi-token prediction depth adds its 2h -> h
+    2 * seq * heads * (query-key + value head dims); a Gated DeltaNet layer instead its projections and
+    `gated_delta_net_flops`' products); each multi-token prediction depth adds its 2h -> h
     projection, a layer (with the last decoder layer's kind of MLP) and the output layer. Backward costs twice
     the forward. Activation recomputation is not counted: it is work the hardware does, not work the model
     needs, so MFU stays comparable between runs with and without it.
@@ -36,7 +57,13 @@ def training_flops_per_token(config: ModelConfig) -> float:
             moe_mlp += mlp_matrices * h * config.moe_shared_expert_intermediate_size + h * config.moe_shared_expert_gate
     mlp_of = {number: moe_mlp for number in moe_layer_numbers(config)}  # MoE layers, MTP layers included
     mlp_weights = sum(mlp_of.get(number, dense_mlp) for number in range(L))
-    forward = 2 * (L * attention_weights + mlp_weights + h * config.vocab_size) + L * attention_square
+    linear_layers = sum(linear_attention_pattern(config))
+    softmax_layers = L - linear_layers
+    forward = 2 * (softmax_layers * attention_weights + mlp_weights + h * config.vocab_size)
+    forward += softmax_layers * attention_square
+    if linear_layers:
+        linear_weights, mixing = gated_delta_net_flops(config)
+        forward += linear_layers * (2 * linear_weights + mixing)
     for number in range(L, L + (config.mtp_num_layers or 0)):
         forward += 2 * (2 * h * h + attention_weights + mlp_of.get(number, dense_mlp) + h * config.vocab_size)
         forward += attention_square

@@ -86,9 +86,9 @@ def _runs(config: Config, chunk: ChunkPlan) -> list[_Run]:
     layers; then the routed experts', in the same order. The runs of one layer kind share their lists."""
     kinds = chunk_layer_kinds(config, chunk)
     per_kind = {}
-    for moe in set(kinds):
-        dense, expert = layer_numels(config, moe)
-        per_kind[moe] = ((dense[::-1], [False] * len(dense)), (expert[::-1], [False] * len(expert)))
+    for kind in set(kinds):
+        dense, expert = layer_numels(config, kind)
+        per_kind[kind] = ((dense[::-1], [False] * len(dense)), (expert[::-1], [False] * len(expert)))
     back, front = back_params(config, chunk)[::-1], front_params(config, chunk)[::-1]
     if not kinds:  # no layer between them: one unit
         back, front = back + front, []

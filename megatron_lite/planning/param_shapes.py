@@ -4,14 +4,14 @@ The shapes of each chunk follow `module.parameters()` order (model/gpt.py, trans
 moe/, mtp.py: a module's own parameters before its children's): the vocabulary padded to a multiple of
 --make-vocab-size-divisible-by x TP; attention and dense MLP weights split over TP; an MoE layer's router
 replicated, its E / ep routed experts split over the expert-tensor-parallel ranks (--expert-tensor-parallel-size,
-TP by default) and its shared expert over TP.
+TP by default) and its shared expert over TP; a Gated DeltaNet layer's heads split over TP.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config.layer_pattern import is_moe_layer, moe_layer_pattern
+from megatron_lite.config.layer_pattern import LayerKind, layer_kind, layer_kinds
 from megatron_lite.config.layer_split import ChunkPlan
 from megatron_lite.config.sections import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
@@ -67,14 +67,30 @@ def _latent_attention_params(config: Config) -> list[int]:
     return params + [h * heads * m.v_head_dim]
 
 
-def layer_numels(config: Config, moe: bool) -> tuple[list[int], list[int]]:
-    """One TransformerLayer's (an MoE layer's with `moe`) element counts in registration order: the dense
-    parameters (norms, biases, the router and the shared expert's gate as _NotMuon) and the routed experts'."""
+def _gated_delta_net_params(config: Config) -> list[int]:
+    """Gated DeltaNet's parameters in registration order (model/linear_attention/gated_delta_net.py), its own before
+    its linears': the convolution, A_log and dt_bias split by heads over TP, the output norm's weight whole on
+    every rank, then the input and output projections. Muon steps the two projections alone (the convolution's
+    weight is 3-D)."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    key_heads, value_heads = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
+    keys, values = key_heads * m.linear_key_head_dim, value_heads * m.linear_value_head_dim
+    projection = (2 * keys + 2 * values + 2 * value_heads) * m.hidden_size
+    return [_NotMuon((2 * keys + values) * m.linear_conv_kernel_dim), _NotMuon(value_heads), _NotMuon(value_heads),
+            _NotMuon(m.linear_value_head_dim), projection, m.hidden_size * values]
+
+
+def layer_numels(config: Config, kind: LayerKind) -> tuple[list[int], list[int]]:
+    """One TransformerLayer's element counts in registration order: the dense parameters (norms, biases, the
+    router and the shared expert's gate as _NotMuon) and the routed experts' (`kind.moe`)."""
     m, tp, ep = config.model, config.parallel.tensor_model_parallel_size, config.parallel.expert_model_parallel_size
     etp = expert_tensor_parallel_size(config)
     h, d = m.hidden_size, m.head_dim
     bias = not m.disable_bias_linear
-    if m.multi_latent_attention:
+    moe = kind.moe
+    if kind.linear_attention:
+        dense = [*_norm(config, h), *_gated_delta_net_params(config)]
+    elif m.multi_latent_attention:
         dense = [*_norm(config, h), *_latent_attention_params(config)]
     else:
         dense = [*_norm(config, h), *_linear((m.num_attention_heads + 2 * m.num_query_groups) * d, h,
@@ -100,7 +116,7 @@ def layer_numels(config: Config, moe: bool) -> tuple[list[int], list[int]]:
 
 def _layer_params(config: Config, layer_number: int, unit: int) -> list[ParamShape]:
     """One TransformerLayer's parameters in registration order."""
-    dense, expert = layer_numels(config, is_moe_layer(config.model, layer_number))
+    dense, expert = layer_numels(config, layer_kind(config.model, layer_number))
     return ([ParamShape(n, unit=unit, muon=not isinstance(n, _NotMuon)) for n in dense]
             + [ParamShape(n, expert=True, unit=unit, muon=True) for n in expert])
 
@@ -150,9 +166,9 @@ def chunk_params(config: Config, chunk: ChunkPlan) -> list[ParamShape]:
     return params + back_params(config, chunk)
 
 
-def chunk_layer_kinds(config: Config, chunk: ChunkPlan) -> list[bool]:
-    """Whether each layer of the chunk is an MoE layer."""
-    return moe_layer_pattern(config.model)[chunk.layer_offset:chunk.layer_offset + chunk.num_layers]
+def chunk_layer_kinds(config: Config, chunk: ChunkPlan) -> list[LayerKind]:
+    """The kind of each layer of the chunk."""
+    return layer_kinds(config.model)[chunk.layer_offset:chunk.layer_offset + chunk.num_layers]
 
 
 def chunk_numels(config: Config, chunk: ChunkPlan) -> tuple[int, int]:
@@ -162,11 +178,10 @@ def chunk_numels(config: Config, chunk: ChunkPlan) -> tuple[int, int]:
         ends = front_params(config, chunk) + back_params(config, chunk)
         dense = sum(param.numel for param in ends if not param.expert)
         expert = sum(param.numel for param in ends if param.expert)
-        for moe in (False, True):
-            layers = kinds.count(moe)
-            if layers:
-                layer_dense, layer_expert = layer_numels(config, moe)
-                dense, expert = dense + layers * sum(layer_dense), expert + layers * sum(layer_expert)
+        for kind in set(kinds):
+            layers = kinds.count(kind)
+            layer_dense, layer_expert = layer_numels(config, kind)
+            dense, expert = dense + layers * sum(layer_dense), expert + layers * sum(layer_expert)
         return dense, expert
 
     key = ("chunk numels", shapes_key(config), chunk.layer_offset, chunk.num_layers, chunk.pre_process,

@@ -45,10 +45,11 @@ def document_starts(ids: torch.Tensor) -> torch.Tensor:
 
 
 def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """x [s, b, c] convolved along s with weight [c, kernel], each channel on its own, position t reading
-    t - kernel + 1 .. t (weight[:, -1] on t itself); taps that reach into an earlier document (ids [b, s]) or
-    before the sequence read zero."""
+    """x [s, b, c] convolved along s with weight [c, 1, kernel] (a depthwise Conv1d's), each channel on its own,
+    position t reading t - kernel + 1 .. t (weight[..., -1] on t itself); taps that reach into an earlier document
+    (ids [b, s]) or before the sequence read zero."""
     kernel = weight.shape[-1]
+    weight = weight.squeeze(1)
     out = x * weight[:, -1]
     for shift in range(1, kernel):
         earlier = F.pad(x[:-shift], (0, 0, 0, 0, shift, 0))  # earlier[t] = x[t - shift]
@@ -77,7 +78,7 @@ class GatedDeltaNet(torch.nn.Module):
         self.in_proj = ColumnParallelLinear(config.hidden_size, config.linear_num_key_heads * per_key_head, pstate,
                                             bias=False, sequence_parallel=sequence_parallel)
         conv_channels = config.linear_num_key_heads * (2 * self.key_dim + group * self.value_dim)
-        self.conv1d_weight = new_parameter(ShardSpec((conv_channels, config.linear_conv_kernel_dim), tp_dim=0), tp)
+        self.conv1d_weight = new_parameter(ShardSpec((conv_channels, 1, config.linear_conv_kernel_dim), tp_dim=0), tp)
         heads = config.linear_num_value_heads
         self.A_log = new_parameter(ShardSpec((heads,), tp_dim=0, init="zeros"), tp)
         self.dt_bias = new_parameter(ShardSpec((heads,), tp_dim=0, init="ones"), tp)
