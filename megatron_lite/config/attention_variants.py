@@ -1,5 +1,6 @@
-"""The model flags of hybrid architectures, whose layers are not all softmax attention (Qwen3-Next, Qwen3.5):
-a section of ModelConfig kept in a file of its own, with Megatron-Core's TransformerConfig names."""
+"""The model flags of the 2025-2026 architectures (Qwen3-Next, Qwen3.5): linear-attention layers between the
+softmax-attention ones, and the softmax-attention options these models use. A section of ModelConfig kept in a
+file of its own, with Megatron-Core's TransformerConfig names."""
 
 from __future__ import annotations
 
@@ -28,3 +29,11 @@ class AttentionVariantsConfig:
     linear_num_value_heads: int = 32
     """with --experimental-attention-variant: value heads of each linear-attention layer, a multiple of its key
     heads (each key head serves a group of value heads)"""
+    attention_output_gate: bool = False
+    """softmax attention's output multiplied, head by head, by sigmoid of a gate the QKV projection also makes
+    (Qwen3-Next, Qwen3.5)"""
+    apply_layernorm_1p: bool = False
+    """every norm's weight (--normalization, and the --qk-layernorm head norms) stored as w and applied as 1 + w,
+    starting at 0 (Megatron's layernorm_zero_centered_gamma; Qwen3-Next)"""
+    rotary_percent: float = 1.0
+    """the fraction of each head's dimensions RoPE rotates, the leading ones (Qwen3-Next: 0.25)"""

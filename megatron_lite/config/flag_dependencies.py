@@ -93,6 +93,7 @@ RULES: dict[str, tuple[Needs | Excludes, ...]] = {
     "rotary_base": (needs("position_embedding_type", values=("rope",)),),
     "add_qkv_bias": (needs("disable_bias_linear"),),
     "use_rope_scaling": (needs("position_embedding_type", values=("rope",)),),
+    "rotary_percent": (needs("position_embedding_type", values=("rope",)),),
     "rope_scaling_factor": (_ROPE_SCALING,),
     "rope_scaling_low_freq_factor": (_ROPE_SCALING,),
     "rope_scaling_high_freq_factor": (_ROPE_SCALING,),
@@ -191,7 +192,8 @@ STANDS_ALONE = frozenset({
     "max_position_embeddings", "normalization", "norm_epsilon", "swiglu", "position_embedding_type", "kv_channels",
     "qk_layernorm", "multi_latent_attention", "untie_embeddings_and_output_weights", "disable_bias_linear",
     "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by", "model_preset",
-    "num_experts", "fp8_format", "mtp_num_layers", "experimental_attention_variant", "recompute_granularity",
+    "num_experts", "fp8_format", "mtp_num_layers", "experimental_attention_variant", "attention_output_gate",
+    "apply_layernorm_1p", "recompute_granularity",
     "attention_backend", "torch_compile",
     # --vocab-size sizes --mock-data and NullTokenizer corpora; with a tokenizer its vocabulary wins (presets set it)
     "vocab_size",

@@ -198,6 +198,11 @@ class ModelConfig(AttentionVariantsConfig):
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    @property
+    def rotary_dims(self) -> int:
+        """The leading dimensions of each head that RoPE rotates (--rotary-percent of the head dimension)."""
+        return round(self.head_dim * self.rotary_percent)
+
 
 @dataclass
 class ParallelConfig:

@@ -11,11 +11,11 @@ import importlib.util
 import math
 from typing import TYPE_CHECKING
 
+from megatron_lite.config.attention_variants_validation import attention_variant_problems
 from megatron_lite.config.flag_dependencies import dependency_problems
 from megatron_lite.config.fp8_validation import fp8_problems
 from megatron_lite.config.layer_pattern import moe_layer_pattern
 from megatron_lite.config.layer_split import pipeline_stage_layers
-from megatron_lite.config.linear_attention_validation import linear_attention_problems
 from megatron_lite.config.mla_validation import mla_problems
 from megatron_lite.config.moe_validation import expert_layout_problems
 from megatron_lite.config.mtp_validation import mtp_problems
@@ -37,7 +37,7 @@ def validate(config: Config, world_size: int, given: Iterable[str] = ()) -> None
     if not problems:  # the checks below divide by sizes that must first be known to be positive
         problems = (_layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
                     + schedule_problems(config) + _profile_problems(config, world_size)
-                    + fp8_problems(config) + mtp_problems(config) + linear_attention_problems(config))
+                    + fp8_problems(config) + mtp_problems(config) + attention_variant_problems(config))
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -1,5 +1,5 @@
 """Hugging Face config.json <-> megatron_lite model flags, for the llama, qwen2, qwen3, gpt2, mixtral, qwen3_moe,
-qwen2_moe and deepseek_v3 families.
+qwen2_moe, deepseek_v3 and qwen3_next families.
 
 A config.json becomes the values of pretrain_gpt.py's model flags (ModelConfig field names); a ModelConfig
 becomes a config.json that `transformers.AutoModelForCausalLM.from_pretrained` reads. Qwen2 is a Llama with a
@@ -10,7 +10,9 @@ softmax over all experts, renormalized over the top k (as Mixtral) with norm_top
 "llama3") is --use-rope-scaling. DeepSeek-V3 is multi-latent attention with YaRN (rope_type "yarn"), dense first
 layers and sigmoid-routed experts with an expert bias and a shared expert; its latent norms take rms_norm_eps
 (Megatron's choice), where transformers fixes 1e-6 (DeepSeek-V3's rms_norm_eps; Moonlight's 1e-5 moves the
-logits by about 1e-6 of their scale). Variants our model cannot reproduce exactly (other RoPE scalings, attention or
+logits by about 1e-6 of their scale). Qwen3-Next interleaves Gated DeltaNet layers (layer_types) with Qwen3
+attention gated per head (--attention-output-gate) and partly rotated (--rotary-percent), its norms zero-centred
+(--apply-layernorm-1p), and Qwen2-MoE's experts. Variants our model cannot reproduce exactly (other RoPE scalings, attention or
 MLP biases in Llama, sliding windows, GPT-2's per-layer attention scaling) are refused with one line rather than
 converted into a different network.
 """
@@ -21,13 +23,14 @@ import json
 
 import torch
 
-from megatron_lite.config.layer_pattern import moe_layer_pattern
+from megatron_lite.config.layer_pattern import linear_attention_pattern, moe_layer_pattern
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.errors import UserError
 from megatron_lite.files import is_a
 from megatron_lite.model.attention.yarn import YarnScaling, yarn_mscale
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3",
+                         "qwen3_next")
 
 
 class ConversionError(UserError, ValueError):
@@ -224,9 +227,51 @@ def _deepseek_v3_values(hf: dict) -> dict:
     return values
 
 
+def _layer_list(flags: list[bool]) -> str:
+    """A per-layer pattern flag's list expression: "[1,1,1,0,...]"."""
+    return "[" + ",".join(str(int(flag)) for flag in flags) + "]"
+
+
+def _qwen3_next_layers(hf: dict) -> tuple[list[bool], list[bool]]:
+    """(linear attention, MoE) of each layer of a Qwen3-Next: `layer_types` (else every full_attention_interval-th
+    layer softmax attention), and experts where num_experts > 0, outside mlp_only_layers, every
+    decoder_sparse_step-th layer (transformers' rules)."""
+    layers = _get(hf, "num_hidden_layers")
+    interval = hf.get("full_attention_interval", 4)
+    types = hf.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
+                                      for i in range(layers)]
+    _refuse(len(types) != layers or not set(types) <= {"linear_attention", "full_attention"},
+            f"layer_types {types!r}")
+    dense, step, experts = set(hf.get("mlp_only_layers") or []), hf.get("decoder_sparse_step", 1), hf.get("num_experts")
+    moe = [bool(experts) and i not in dense and (i + 1) % step == 0 for i in range(layers)]
+    return [kind == "linear_attention" for kind in types], moe
+
+
+def _qwen3_next_values(hf: dict) -> dict:
+    """Qwen3-Next: Gated DeltaNet layers (--experimental-attention-variant) between softmax-attention layers with
+    Qwen3's per-head norms, an output gate and partial RoPE; zero-centred norms (--apply-layernorm-1p); experts
+    routed by a softmax, renormalized over the top k with norm_topk_prob, with a gated shared expert."""
+    linear, moe = _qwen3_next_layers(hf)
+    parameters = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    values = {**_llama_values(hf), "qk_layernorm": True, "attention_output_gate": True, "apply_layernorm_1p": True,
+              "rotary_percent": float(parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
+              "experimental_attention_variant": "gated_delta_net", "linear_attention_freq": _layer_list(linear),
+              **{key: _get(hf, key) for key in ("linear_conv_kernel_dim", "linear_key_head_dim",
+                                                "linear_value_head_dim", "linear_num_key_heads",
+                                                "linear_num_value_heads")}}
+    if any(moe):
+        values.update(num_experts=_get(hf, "num_experts"), moe_router_topk=_get(hf, "num_experts_per_tok"),
+                      moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), moe_layer_freq=_layer_list(moe),
+                      moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
+                      moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+                      moe_shared_expert_intermediate_size=_get(hf, "shared_expert_intermediate_size"),
+                      moe_shared_expert_gate=True)
+    return values
+
+
 _FROM_HF = {"llama": _llama_values, "qwen2": _qwen_values, "qwen3": _qwen_values, "gpt2": _gpt2_values,
             "mixtral": _mixtral_values, "qwen3_moe": _qwen_moe_values, "qwen2_moe": _qwen_moe_values,
-            "deepseek_v3": _deepseek_v3_values}
+            "deepseek_v3": _deepseek_v3_values, "qwen3_next": _qwen3_next_values}
 
 
 # The types of the config.json keys read above (null stands for a missing key), checked before any is used.
@@ -234,9 +279,11 @@ _INTEGER_KEYS = (*_DEEPSEEK_INTEGER_KEYS, "hidden_size", "num_attention_heads", 
                  "intermediate_size", "head_dim",
                  "num_key_value_heads", "max_position_embeddings", "vocab_size", "num_local_experts", "num_experts",
                  "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
-                 "decoder_sparse_step", "sliding_window", "n_embd", "n_positions", "n_layer", "n_head", "n_inner")
+                 "decoder_sparse_step", "sliding_window", "n_embd", "n_positions", "n_layer", "n_head", "n_inner",
+                 "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads")
 _NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "initializer_range", "attention_dropout", "router_aux_loss_coef",
-                "layer_norm_epsilon", "resid_pdrop", "attn_pdrop", *_LLAMA3_ROPE_FLAGS,
+                "layer_norm_epsilon", "resid_pdrop", "attn_pdrop", "partial_rotary_factor", *_LLAMA3_ROPE_FLAGS,
                 *_DEEPSEEK_NUMBER_KEYS)
 _OBJECT_KEYS = ("rope_parameters", "rope_scaling")
 
@@ -267,10 +314,18 @@ def model_values_from_hf(hf: dict) -> dict:
 
 def family_of_model(m: ModelConfig) -> str:
     """Which Hugging Face family has exactly this network, or a ConversionError saying why none does."""
+    if m.experimental_attention_variant is not None:
+        refusal = _qwen3_next_refusal(m)
+        if refusal is None:
+            return "qwen3_next"
+        raise ConversionError(f"no Hugging Face model type has this network: qwen3_next (the one with Gated DeltaNet "
+                              f"layers) needs {refusal}")
+    plain_norms_and_attention = not (m.apply_layernorm_1p or m.attention_output_gate or m.rotary_percent != 1)
     llama_like = (m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope"
-                  and m.disable_bias_linear)
+                  and m.disable_bias_linear and plain_norms_and_attention)
     gpt2_like = (m.normalization == "LayerNorm" and not m.swiglu and m.position_embedding_type == "learned_absolute"
-                 and not m.disable_bias_linear and m.num_query_groups == m.num_attention_heads)
+                 and not m.disable_bias_linear and m.num_query_groups == m.num_attention_heads
+                 and plain_norms_and_attention)
     plain_attention = not m.qk_layernorm and not m.add_qkv_bias and not m.use_rope_scaling
     dense_llama = llama_like and not m.num_experts and not m.multi_latent_attention
     moe_llama = (m.num_experts and llama_like and all(moe_layer_pattern(m)) and not m.multi_latent_attention
@@ -381,6 +436,7 @@ def _deepseek_v3_refusal(m: ModelConfig) -> str | None:
     dense = pattern.index(True) if True in pattern else len(pattern)
     needs = [(m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope", "RMSNorm, SwiGLU and "
               "RoPE"), (m.qk_layernorm, "--qk-layernorm (its latent norms)"),
+             (not m.apply_layernorm_1p, "norms without --apply-layernorm-1p"),
              (bool(m.num_experts) and all(pattern[dense:]), "experts in every layer after the first dense ones"),
              (m.moe_router_score_function == "sigmoid" and m.moe_router_enable_expert_bias, "sigmoid routing with "
               "--moe-router-enable-expert-bias"),
@@ -391,6 +447,42 @@ def _deepseek_v3_refusal(m: ModelConfig) -> str | None:
               "an ungated shared expert whose size is a multiple of --moe-ffn-hidden-size")]
     missing = [what for ok, what in needs if not ok]
     return ", ".join(missing) if missing else None
+
+
+def _qwen3_next_refusal(m: ModelConfig) -> str | None:
+    """What a model with Gated DeltaNet layers lacks to be a Qwen3-Next, or None."""
+    needs = [(m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope"
+              and m.disable_bias_linear and not m.add_qkv_bias, "RMSNorm, SwiGLU, RoPE and no biases"),
+             (m.qk_layernorm and m.attention_output_gate and m.apply_layernorm_1p and not m.multi_latent_attention,
+              "--qk-layernorm, --attention-output-gate and --apply-layernorm-1p"),
+             (not m.use_rope_scaling, "plain RoPE (no --use-rope-scaling)")]
+    if m.num_experts:
+        needs += [(m.moe_router_score_function == "softmax" and not m.moe_router_enable_expert_bias
+                   and m.moe_router_num_groups is None and m.moe_router_topk_scaling_factor is None,
+                   "softmax routing without expert bias, groups or scaling"),
+                  (bool(m.moe_shared_expert_intermediate_size) and m.moe_shared_expert_gate,
+                   "a gated shared expert (--moe-shared-expert-intermediate-size, --moe-shared-expert-gate)")]
+    missing = [what for ok, what in needs if not ok]
+    return ", ".join(missing) if missing else None
+
+
+def _qwen3_next_config(m: ModelConfig) -> dict:
+    config = _llama_config(m)
+    del config["mlp_bias"]
+    moe = moe_layer_pattern(m)
+    types = ["linear_attention" if linear else "full_attention" for linear in linear_attention_pattern(m)]
+    rope = {**config["rope_parameters"], "partial_rotary_factor": m.rotary_percent}
+    return {**config, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "rope_parameters": rope,
+            "partial_rotary_factor": m.rotary_percent,
+            "layer_types": types,
+            "linear_conv_kernel_dim": m.linear_conv_kernel_dim, "linear_key_head_dim": m.linear_key_head_dim,
+            "linear_value_head_dim": m.linear_value_head_dim, "linear_num_key_heads": m.linear_num_key_heads,
+            "linear_num_value_heads": m.linear_num_value_heads, "num_experts": m.num_experts or 0,
+            "num_experts_per_tok": m.moe_router_topk,
+            "moe_intermediate_size": m.moe_ffn_hidden_size or m.ffn_hidden_size,
+            "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size or 0,
+            "norm_topk_prob": not m.moe_router_pre_softmax, "router_aux_loss_coef": m.moe_aux_loss_coeff,
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i, is_moe in enumerate(moe) if not is_moe]}
 
 
 def _deepseek_v3_config(m: ModelConfig) -> dict:
@@ -424,7 +516,7 @@ _TO_HF = {"llama": _llama_config, "qwen2": lambda m: _qwen_config(m, "qwen2", "Q
           "mixtral": _mixtral_config,
           "qwen3_moe": lambda m: _qwen_moe_config(m, "qwen3_moe", "Qwen3MoeForCausalLM"),
           "qwen2_moe": lambda m: _qwen_moe_config(m, "qwen2_moe", "Qwen2MoeForCausalLM"),
-          "deepseek_v3": _deepseek_v3_config}
+          "deepseek_v3": _deepseek_v3_config, "qwen3_next": _qwen3_next_config}
 
 
 def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:

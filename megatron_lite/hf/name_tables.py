@@ -12,6 +12,7 @@ The transforms between the two layouts:
   STACKED      [gate; up] rows stacked into one fc1, for the dense MLP and every expert
   QKV          separate q, k, v -> fused per query group (model/attention/self_attention.py's layout)
   PACKED_QKV   GPT-2's one [q; k; v] tensor -> fused per query group
+  GDN_PROJECTION, GDN_CONV  Qwen3-Next's Gated DeltaNet projections and convolution -> ours, per key head
   transposed() GPT-2's Conv1D stores weights as [in, out]
 """
 
@@ -22,15 +23,22 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lite.config.layer_pattern import LayerKind
 from megatron_lite.config.sections import ModelConfig
 
 Shape = tuple[int, ...]
 
 
+def _query_rows_per_group(config: ModelConfig) -> int:
+    """Head-sized query rows per query group: its heads, each followed by its gate with --attention-output-gate
+    (HF's q_proj holds [q_h; gate_h] per head, Megatron's layout too)."""
+    return config.num_attention_heads // config.num_query_groups * (2 if config.attention_output_gate else 1)
+
+
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """Separate q [nh*d, ..], k, v [ng*d, ..] -> fused per-query-group [(nh + 2ng)*d, ..]."""
+    """Separate q [nh*d (x2 with output gates), ..], k, v [ng*d, ..] -> fused per query group."""
     ng, d = config.num_query_groups, config.head_dim
-    per_group = config.num_attention_heads // ng
+    per_group = _query_rows_per_group(config)
     rest = q.shape[1:]
     q = q.reshape(ng, per_group * d, *rest)
     k = k.reshape(ng, d, *rest)
@@ -41,7 +49,7 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelCon
 def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `fuse_qkv`."""
     ng, d = config.num_query_groups, config.head_dim
-    per_group = config.num_attention_heads // ng
+    per_group = _query_rows_per_group(config)
     rest = qkv.shape[1:]
     grouped = qkv.reshape(ng, (per_group + 2) * d, *rest)
     q, k, v = grouped.split([per_group * d, d, d], dim=1)
@@ -61,6 +69,40 @@ VOCAB_ROWS = Transform(lambda hf, m: hf[0], lambda t, m: [t[:m.vocab_size]])
 STACKED = Transform(lambda hf, m: torch.cat(hf), lambda t, m: list(t.chunk(2)))
 QKV = Transform(lambda hf, m: fuse_qkv(*hf, m), lambda t, m: list(split_qkv(t, m)))
 PACKED_QKV = Transform(lambda hf, m: fuse_qkv(*hf[0].chunk(3), m), lambda t, m: [torch.cat(split_qkv(t, m))])
+
+
+def _per_key_head(parts: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    """Tensors whose rows are laid out per linear-attention key head -> one, each key head's rows of every part
+    together (model/linear_attention/gated_delta_net.py's layout)."""
+    heads = config.linear_num_key_heads
+    return torch.cat([part.reshape(heads, -1, *part.shape[1:]) for part in parts], dim=1).flatten(0, 1)
+
+
+def _from_key_heads(t: torch.Tensor, sizes: list[int], config: ModelConfig) -> list[torch.Tensor]:
+    """Inverse of `_per_key_head`: the parts, of `sizes` rows per key head."""
+    grouped = t.reshape(config.linear_num_key_heads, -1, *t.shape[1:])
+    return [part.flatten(0, 1) for part in grouped.split(sizes, dim=1)]
+
+
+def _projection_rows(config: ModelConfig) -> list[int]:
+    """Rows per linear-attention key head of Qwen3-Next's in_proj_qkvz (q, k, and its value heads' v and z) and
+    of in_proj_ba (b and a of its value heads)."""
+    group = config.linear_num_value_heads // config.linear_num_key_heads
+    return [2 * config.linear_key_head_dim + 2 * group * config.linear_value_head_dim, 2 * group]
+
+
+def _conv_rows(config: ModelConfig) -> list[int]:
+    """Channels per key head of the convolution's q, k and v."""
+    group = config.linear_num_value_heads // config.linear_num_key_heads
+    return [config.linear_key_head_dim, config.linear_key_head_dim, group * config.linear_value_head_dim]
+
+
+# Qwen3-Next's in_proj_qkvz (per key head [q, k, v, z]) and in_proj_ba (per key head [b, a]) -> our in_proj
+GDN_PROJECTION = Transform(_per_key_head, lambda t, m: _from_key_heads(t, _projection_rows(m), m))
+# Qwen3-Next's conv1d ([q; k; v] channels, each over all key heads) -> ours, per key head [q, k, v]
+GDN_CONV = Transform(
+    lambda hf, m: _per_key_head(list(hf[0].split([m.linear_num_key_heads * rows for rows in _conv_rows(m)])), m),
+    lambda t, m: [torch.cat(_from_key_heads(t, _conv_rows(m), m))])
 
 
 def transposed(inner: Transform) -> Transform:
@@ -85,13 +127,22 @@ class NameTable:
     With `dense_layer`, `layer` holds the MoE layers' rules and `dense_layer` those of the dense layers of
     --moe-layer-freq (DeepSeek-V3's first layers). `mtp` holds a multi-token prediction module's own rules
     (`{depth}` ours, `{layer}` the HF layer it is stored as); its transformer layer takes the decoder layers'
-    rules under our `mtp.layers.{depth}.transformer_layer.` (None: the family stores no such modules)."""
+    rules under our `mtp.layers.{depth}.transformer_layer.` (None: the family stores no such modules).
+    `linear_layer(moe)` gives the rules of a linear-attention layer (--linear-attention-freq)."""
 
     head: list[Rule]
     layer: list[Rule]
     tail: list[Rule]
     dense_layer: list[Rule] | None = None
     mtp: list[Rule] | None = None
+    linear_layer: Callable[[bool], list[Rule]] | None = None
+
+    def rules_of(self, kind: LayerKind) -> list[Rule]:
+        """The rules of a layer of this kind: `linear_layer(moe)` for a Gated DeltaNet layer (Qwen3-Next), else
+        `layer`, or `dense_layer` for a dense layer where the family has one."""
+        if kind.linear_attention:
+            return self.linear_layer(kind.moe)
+        return self.layer if kind.moe or self.dense_layer is None else self.dense_layer
 
 
 def _h(m):
@@ -104,6 +155,11 @@ def _q(m):
 
 def _kv(m):
     return m.num_query_groups * m.head_dim
+
+
+def _q_proj_rows(m):
+    """HF's q_proj rows: the query heads, each followed by its gate with --attention-output-gate."""
+    return _q(m) * (2 if m.attention_output_gate else 1)
 
 
 def _output_layer(m: ModelConfig, hf_name: str) -> list[Rule]:
@@ -120,7 +176,7 @@ def _llama_attention(m: ModelConfig) -> list[Rule]:
                   lambda m: ((_h(m),),)),
              Rule(ours + "self_attention.linear_qkv.weight",
                   (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                  lambda m: ((_q(m), _h(m)), (_kv(m), _h(m)), (_kv(m), _h(m))), QKV),
+                  lambda m: ((_q_proj_rows(m), _h(m)), (_kv(m), _h(m)), (_kv(m), _h(m))), QKV),
              Rule(ours + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), lambda m: ((_h(m), _q(m)),))]
     if m.add_qkv_bias:
         rules.append(Rule(ours + "self_attention.linear_qkv.bias",
@@ -168,9 +224,9 @@ def mixtral_table(m: ModelConfig) -> NameTable:
                      lambda m: m.moe_ffn_hidden_size, names=("w1", "w3", "w2"))])
 
 
-def qwen_moe_table(m: ModelConfig) -> NameTable:
-    """Qwen3-MoE and Qwen2-MoE: a router (gate) and experts gate/up/down_proj in every layer, and Qwen2-MoE's
-    shared expert with its sigmoid gate."""
+def _qwen_moe_mlp(m: ModelConfig) -> list[Rule]:
+    """A Qwen MoE layer's router (gate) and experts gate/up/down_proj, and the shared expert with its sigmoid gate
+    where the model has one."""
     ours, theirs = "decoder.layers.{layer}.mlp.", "model.layers.{layer}.mlp."
     mlp = [Rule(ours + "router.weight", (theirs + "gate.weight",), lambda m: ((m.num_experts, _h(m)),)),
            *_swiglu_mlp(ours + "experts.{expert}.", theirs + "experts.{expert}.", lambda m: m.moe_ffn_hidden_size)]
@@ -179,7 +235,41 @@ def qwen_moe_table(m: ModelConfig) -> NameTable:
                              lambda m: m.moe_shared_expert_intermediate_size),
                 Rule(ours + "shared_experts.gate_weight", (theirs + "shared_expert_gate.weight",),
                      lambda m: ((1, _h(m)),))]
-    return _llama_table(m, mlp)
+    return mlp
+
+
+def qwen_moe_table(m: ModelConfig) -> NameTable:
+    """Qwen3-MoE and Qwen2-MoE: a router and experts in every layer, and Qwen2-MoE's gated shared expert."""
+    return _llama_table(m, _qwen_moe_mlp(m))
+
+
+def _gated_delta_net(m: ModelConfig) -> list[Rule]:
+    """Qwen3-Next's linear_attn (Gated DeltaNet) -> ours (model/linear_attention/gated_delta_net.py)."""
+    ours, theirs = "decoder.layers.{layer}.self_attention.", "model.layers.{layer}.linear_attn."
+    keys = m.linear_num_key_heads * m.linear_key_head_dim
+    values = m.linear_num_value_heads * m.linear_value_head_dim
+    heads = m.linear_num_value_heads
+    return [Rule(ours + "in_proj.weight", (theirs + "in_proj_qkvz.weight", theirs + "in_proj_ba.weight"),
+                 lambda m: ((2 * keys + 2 * values, _h(m)), (2 * heads, _h(m))), GDN_PROJECTION),
+            Rule(ours + "conv1d_weight", (theirs + "conv1d.weight",),
+                 lambda m: ((2 * keys + values, 1, m.linear_conv_kernel_dim),), GDN_CONV),
+            Rule(ours + "A_log", (theirs + "A_log",), lambda m: ((heads,),)),
+            Rule(ours + "dt_bias", (theirs + "dt_bias",), lambda m: ((heads,),)),
+            Rule(ours + "norm_weight", (theirs + "norm.weight",), lambda m: ((m.linear_value_head_dim,),)),
+            Rule(ours + "out_proj.weight", (theirs + "out_proj.weight",), lambda m: ((_h(m), values),))]
+
+
+def qwen3_next_table(m: ModelConfig) -> NameTable:
+    """Qwen3-Next: Gated DeltaNet layers between gated softmax-attention layers (Qwen3's attention with an output
+    gate in q_proj), zero-centred norms (stored as HF stores them), Qwen2-MoE's experts with a gated shared
+    expert, dense SwiGLU MLPs in mlp_only_layers."""
+    attention = _llama_attention(m)
+    norms = attention[:2]  # input_layernorm and post_attention_layernorm, in both kinds of layer
+    dense = _swiglu_mlp("decoder.layers.{layer}.mlp.", "model.layers.{layer}.mlp.", lambda m: m.ffn_hidden_size)
+    moe = _qwen_moe_mlp(m) if m.num_experts else dense
+    table = _llama_table(m, [])
+    return NameTable(head=table.head, layer=attention + moe, tail=table.tail, dense_layer=attention + dense,
+                     linear_layer=lambda is_moe: norms + _gated_delta_net(m) + (moe if is_moe else dense))
 
 
 def gpt2_table(m: ModelConfig) -> NameTable:
@@ -273,4 +363,5 @@ def _deepseek_v3_mtp(m: ModelConfig) -> list[Rule]:
 
 NAME_TABLES: dict[str, Callable[[ModelConfig], NameTable]] = {
     "llama": llama_table, "qwen2": llama_table, "qwen3": llama_table, "gpt2": gpt2_table, "mixtral": mixtral_table,
-    "qwen3_moe": qwen_moe_table, "qwen2_moe": qwen_moe_table, "deepseek_v3": deepseek_v3_table}
+    "qwen3_moe": qwen_moe_table, "qwen2_moe": qwen_moe_table, "deepseek_v3": deepseek_v3_table,
+    "qwen3_next": qwen3_next_table}

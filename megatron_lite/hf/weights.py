@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_lite.config.layer_pattern import is_moe_layer, moe_layer_pattern
+from megatron_lite.config.layer_pattern import LayerKind, layer_kind, layer_kinds
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.hf.configs import ConversionError
 from megatron_lite.hf.name_tables import NAME_TABLES, NameTable, Rule
@@ -49,7 +49,7 @@ def units(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[Unit
     the biggest tensor of most models), each decoder layer, each multi-token prediction module. `layers`
     wraps the loop over layer indices (a progress bar)."""
     table = NAME_TABLES[family](m)
-    moe = moe_layer_pattern(m) if table.dense_layer is not None else [True] * m.num_layers
+    kinds = layer_kinds(m)
 
     def expand(rules: list[Rule], values: dict) -> Unit:
         return [(rule, {**values, "expert": expert}) for rule in rules
@@ -58,11 +58,10 @@ def units(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[Unit
     for rule in table.head:
         yield [(rule, {})]
     for layer in layers(range(m.num_layers)):
-        yield expand(table.layer if moe[layer] else table.dense_layer, {"layer": layer})
+        yield expand(table.rules_of(kinds[layer]), {"layer": layer})
     for depth in range(m.mtp_num_layers or 0):
         layer = m.num_layers + depth  # where the module is stored, and the global number of its layer
-        yield expand(_mtp_rules(table, is_moe_layer(m, layer) or table.dense_layer is None),
-                     {"layer": layer, "depth": depth})
+        yield expand(_mtp_rules(table, layer_kind(m, layer)), {"layer": layer, "depth": depth})
     for rule in table.tail:
         yield [(rule, {})]
 
@@ -73,7 +72,7 @@ def _expanded(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[
         yield from unit
 
 
-def _mtp_rules(table: NameTable, moe: bool) -> list[Rule]:
+def _mtp_rules(table: NameTable, kind: LayerKind) -> list[Rule]:
     """A multi-token prediction module's rules: its own, then its transformer layer's (a decoder layer's rules of
     the same kind, under our module's name)."""
     if table.mtp is None:
@@ -81,7 +80,7 @@ def _mtp_rules(table: NameTable, moe: bool) -> list[Rule]:
                               "--mtp-num-layers")
     inner = [dataclasses.replace(rule, ours=rule.ours.replace("decoder.layers.{layer}.",
                                                               "mtp.layers.{depth}.transformer_layer."))
-             for rule in (table.layer if moe else table.dense_layer)]
+             for rule in table.rules_of(kind)]
     return table.mtp + inner
 
 

@@ -30,8 +30,8 @@ def gated_delta_net_flops(config: ModelConfig) -> tuple[int, float]:
 def training_flops_per_token(config: ModelConfig) -> float:
     """Model FLOPs to train on one token, counting matrix multiplies only (as PaLM's MFU, appendix B).
 
-    Forward: 2 FLOPs per weight of every linear layer (QKV, attention output, MLP or the top-k experts a
-    token visits and the shared expert, output layer) plus the attention scores and weighted sum,
+    Forward: 2 FLOPs per weight of every linear layer (QKV and the output gate's rows, attention output, MLP or
+    the top-k experts a token visits and the shared expert, output layer) plus the attention scores and weighted sum,
     2 * 2 * seq * hidden per layer (the full square, as Megatron counts it; heads x head size stands for
     hidden where --kv-channels sets another head size; with multi-latent attention its projections, and
     2 * seq * heads * (query-key + value head dims); a Gated DeltaNet layer instead its projections and
@@ -42,7 +42,7 @@ def training_flops_per_token(config: ModelConfig) -> float:
     """
     h, s, L = config.hidden_size, config.seq_length, config.num_layers
     q, kv = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
-    attention_weights = h * q + 2 * h * kv + q * h
+    attention_weights = h * q * (2 if config.attention_output_gate else 1) + 2 * h * kv + q * h
     attention_square = 4 * s * q
     if config.multi_latent_attention:
         attention_weights = mla_projection_weights(config)

@@ -12,28 +12,30 @@ from megatron_lite.model.attention.self_attention import SelfAttention
 from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.linear_attention.gated_delta_net import GatedDeltaNet
 from megatron_lite.model.mlp import MLP
+from megatron_lite.model.normalization import apply_norm
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel.random import RNGTracker, checkpoint
 from megatron_lite.parallel.state import ParallelState
 
 
 class Norm(torch.nn.Module):
-    """LayerNorm (GPT-2) or RMSNorm (Llama). Replicated on every TP rank; under sequence parallelism it
-    sees only this rank's sequence slice, so its gradient is a partial sum over TP."""
+    """LayerNorm (GPT-2) or RMSNorm (Llama), zero-centred with --apply-layernorm-1p (model/normalization.py).
+    Replicated on every TP rank; under sequence parallelism it sees only this rank's sequence slice, so its
+    gradient is a partial sum over TP."""
 
     def __init__(self, config: ModelConfig, sequence_parallel: bool):
         super().__init__()
         self.kind = config.normalization
         self.eps = config.norm_epsilon
+        self.zero_centered = config.apply_layernorm_1p
         h = config.hidden_size
-        self.weight = new_parameter(ShardSpec((h,), init="ones", sequence_parallel=sequence_parallel), 1)
+        self.weight = new_parameter(ShardSpec((h,), init="zeros" if self.zero_centered else "ones",
+                                              sequence_parallel=sequence_parallel), 1)
         self.bias = (new_parameter(ShardSpec((h,), init="zeros", sequence_parallel=sequence_parallel), 1)
                      if self.kind == "LayerNorm" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "RMSNorm":
-            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return apply_norm(x, self.kind, self.weight, self.bias, self.eps, self.zero_centered)
 
 
 class HiddenDropout(torch.nn.Module):

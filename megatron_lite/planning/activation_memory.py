@@ -282,7 +282,7 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
         saved = sum(size for size, again in zip(layers, recomputed) if not again)
         saved += _unit_inputs(config, chunk.num_layers) * stream * e * m.hidden_size
         if m.position_embedding_type == "rope":  # each chunk's cos and sin tables, [s/cp, 1, 1, d] fp32
-            rotated = m.qk_pos_emb_head_dim if m.multi_latent_attention else m.head_dim
+            rotated = m.qk_pos_emb_head_dim if m.multi_latent_attention else m.rotary_dims
             saved += 2 * FP32 * (m.seq_length // p.context_parallel_size) * rotated
         if chunk.pre_process:
             saved += tokens * INDEX

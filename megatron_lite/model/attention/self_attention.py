@@ -37,6 +37,7 @@ from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.context_parallel import context_parallel_attention
 from megatron_lite.model.attention.yarn import YarnScaling
 from megatron_lite.model.fp8 import FP8Recipe
+from megatron_lite.model.normalization import apply_norm
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.random import RNGTracker, checkpoint
@@ -157,15 +158,20 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
-    """The model's RoPE: over the whole head with Llama 3.1's scaling if asked; with multi-latent attention over
-    its qk-pos-emb-head-dim rotated dimensions with YaRN's scaling (plain RoPE at --rotary-scaling-factor 1)."""
+    """The model's RoPE: over the first --rotary-percent of each head's dimensions (all by default; Qwen3-Next a
+    quarter) with Llama 3.1's scaling if asked; with multi-latent attention over its qk-pos-emb-head-dim rotated
+    dimensions with YaRN's scaling (plain RoPE at --rotary-scaling-factor 1)."""
     if config.multi_latent_attention:
         return RotaryEmbedding(config.qk_pos_emb_head_dim, config.rotary_base, YarnScaling.of(config))
-    return RotaryEmbedding(config.head_dim, config.rotary_base, RopeScaling.of(config))
+    return RotaryEmbedding(config.rotary_dims, config.rotary_base, RopeScaling.of(config))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [s, b, n, d] query or key vectors by their positions' angles."""
+    """Rotate [s, b, n, d] query or key vectors by their positions' angles; with angles for fewer than d
+    dimensions (--rotary-percent), those leading dimensions, the rest passing unrotated."""
+    if cos.shape[-1] < x.shape[-1]:
+        rotated_dims = cos.shape[-1]
+        return torch.cat([apply_rotary(x[..., :rotated_dims], cos, sin), x[..., rotated_dims:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -319,8 +325,9 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 
 class HeadNorm(torch.nn.Module):
-    """--qk-layernorm: the --normalization norm (RMSNorm or LayerNorm) of each query or key head over its
-    head_dim, one weight shared by all heads, as Megatron's q_layernorm/k_layernorm and Qwen3's q_norm/k_norm.
+    """--qk-layernorm: the --normalization norm (RMSNorm or LayerNorm, zero-centred with --apply-layernorm-1p) of
+    each query or key head over its head_dim, one weight shared by all heads, as Megatron's q_layernorm/k_layernorm
+    and Qwen3's q_norm/k_norm.
 
     Every TP rank holds the whole weight but normalizes only its own heads, so each rank's gradient is a partial
     sum: the spec marks it for the all-reduce over TP that finalize_model_grads gives such parameters. `size`
@@ -331,20 +338,23 @@ class HeadNorm(torch.nn.Module):
         super().__init__()
         self.kind = config.normalization
         self.eps = config.norm_epsilon
+        self.zero_centered = config.apply_layernorm_1p
         spec = dict(global_shape=(size or config.head_dim,), sequence_parallel=tp_size > 1)
-        self.weight = new_parameter(ShardSpec(**spec, init="ones"), 1)
+        self.weight = new_parameter(ShardSpec(**spec, init="zeros" if self.zero_centered else "ones"), 1)
         self.bias = new_parameter(ShardSpec(**spec, init="zeros"), 1) if self.kind == "LayerNorm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, n, d] -> the same, each head normalized over d."""
-        if self.kind == "RMSNorm":
-            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return apply_norm(x, self.kind, self.weight, self.bias, self.eps, self.zero_centered)
 
 
 class SelfAttention(torch.nn.Module):
     """QKV projection (column-parallel) -> per-head q/k norms (--qk-layernorm) -> RoPE -> core attention ->
-    output projection (row-parallel). `fp8`: both projections' GEMMs in FP8; the core attention is not."""
+    output projection (row-parallel). `fp8`: both projections' GEMMs in FP8; the core attention is not.
+
+    With --attention-output-gate (Qwen3-Next) the projection also makes a gate for every query head, next to it
+    (per group: [q_0, gate_0, q_1, gate_1, .., k, v], Megatron's layout), and each head's output is multiplied
+    by sigmoid(gate) before the output projection."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool,
                  backend: str, rng_tracker: RNGTracker | None, cp_comm_type: str = "p2p",
@@ -353,8 +363,11 @@ class SelfAttention(torch.nn.Module):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_groups = config.num_query_groups // pstate.tp_size
         self.head_dim = config.head_dim
+        self.output_gate = config.attention_output_gate
+        self.query_slots = self.heads_per_group * (2 if self.output_gate else 1)  # head-sized rows per group
         bias = not config.disable_bias_linear
-        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        qkv_size = (config.num_attention_heads * (2 if self.output_gate else 1)
+                    + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, pstate, bias=bias or config.add_qkv_bias,
                                                sequence_parallel=sequence_parallel, fp8=fp8)
         if config.qk_layernorm:
@@ -374,8 +387,12 @@ class SelfAttention(torch.nn.Module):
         positions = positions if positions is not None else Positions()
         qkv = self.linear_qkv(x)  # [s, b, ng/tp * (nh/ng + 2) * d]
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        qkv = qkv.view(s, b, self.local_groups, self.query_slots + 2, self.head_dim)
+        q, k, v = qkv.split([self.query_slots, 1, 1], dim=3)
+        gate = None
+        if self.output_gate:
+            q, gate = q.unflatten(3, (self.heads_per_group, 2)).unbind(4)
+            gate = gate.reshape(s, b, -1)  # [s, b, nh/tp * d]
         q = q.reshape(s, b, self.local_groups * self.heads_per_group, self.head_dim)  # [s, b, nh/tp, d]
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, d]
         if self.q_layernorm is not None:
@@ -389,4 +406,6 @@ class SelfAttention(torch.nn.Module):
             out = checkpoint(self.core_attention, self.core_attention.rng_tracker, q, k, v, positions.documents)
         else:
             out = self.core_attention(q, k, v, positions.documents)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.linear_proj(out)

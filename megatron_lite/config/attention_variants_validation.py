@@ -1,0 +1,53 @@
+"""Configuration checks of the flags of config/attention_variants.py (Gated DeltaNet layers, the softmax-attention
+options of Qwen3-Next): each problem one line saying what to change, raised on every rank before a process group
+or a model exists."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_lite.config.layer_pattern import linear_attention_pattern
+
+if TYPE_CHECKING:
+    from megatron_lite.config.sections import Config
+
+
+def attention_variant_problems(config: Config) -> list[str]:
+    """One line per problem with the flags of config/attention_variants.py at this layout."""
+    return _softmax_option_problems(config) + _linear_attention_problems(config)
+
+
+def _softmax_option_problems(config: Config) -> list[str]:
+    m = config.model
+    problems = []
+    if not 0 < m.rotary_percent <= 1:
+        problems.append(f"rotary-percent ({m.rotary_percent}) must be in (0, 1]")
+    elif (m.head_dim * m.rotary_percent) % 2:
+        problems.append(f"rotary-percent ({m.rotary_percent}) of the head dimension ({m.head_dim}) must be an even "
+                        f"number of dimensions for RoPE to rotate in pairs")
+    if m.multi_latent_attention and m.attention_output_gate:
+        problems.append("--attention-output-gate is not built for multi-latent attention; drop one of them")
+    if m.multi_latent_attention and m.rotary_percent != 1:
+        problems.append("--rotary-percent does not apply to multi-latent attention, whose RoPE dimensions are "
+                        "--qk-pos-emb-head-dim")
+    return problems
+
+
+def _linear_attention_problems(config: Config) -> list[str]:
+    m, p = config.model, config.parallel
+    if m.experimental_attention_variant is None:
+        return []
+    problems = []
+    key_heads, value_heads = m.linear_num_key_heads, m.linear_num_value_heads
+    if value_heads % key_heads:
+        problems.append(f"linear-num-value-heads ({value_heads}) must be a multiple of linear-num-key-heads "
+                        f"({key_heads}): each key head serves a group of value heads")
+    if key_heads % p.tensor_model_parallel_size:
+        problems.append(f"tensor-model-parallel-size ({p.tensor_model_parallel_size}) must divide "
+                        f"linear-num-key-heads ({key_heads}): tensor parallelism splits the linear-attention heads")
+    if p.context_parallel_size > 1 and any(linear_attention_pattern(m)):
+        problems.append("Gated DeltaNet layers do not run under context parallelism yet; use "
+                        "--context-parallel-size 1, or softmax attention in every layer")
+    if m.fp8_format is not None and any(linear_attention_pattern(m)):
+        problems.append("--fp8-format does not apply to Gated DeltaNet layers yet; drop it or the variant")
+    return problems
