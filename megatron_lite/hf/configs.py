@@ -12,9 +12,9 @@ layers and sigmoid-routed experts with an expert bias and a shared expert; its l
 (Megatron's choice), where transformers fixes 1e-6 (DeepSeek-V3's rms_norm_eps; Moonlight's 1e-5 moves the
 logits by about 1e-6 of their scale). Qwen3-Next interleaves Gated DeltaNet layers (layer_types) with Qwen3
 attention gated per head (--attention-output-gate) and partly rotated (--rotary-percent), its norms zero-centred
-(--apply-layernorm-1p), and Qwen2-MoE's experts. Variants our model cannot reproduce exactly (other RoPE scalings, attention or
-MLP biases in Llama, sliding windows, GPT-2's per-layer attention scaling) are refused with one line rather than
-converted into a different network.
+(--apply-layernorm-1p), and Qwen2-MoE's experts. Variants our model cannot reproduce exactly (other RoPE
+scalings, attention or MLP biases in Llama, sliding windows, GPT-2's per-layer attention scaling) are refused with
+one line rather than converted into a different network.
 """
 
 from __future__ import annotations
