@@ -1,7 +1,8 @@
 """Qwen3-Next (transformers' qwen3_next): Gated DeltaNet layers between gated softmax-attention layers with
-partial RoPE and zero-centred norms, a dense first layer and MoE layers with a gated shared expert. A random tiny
-model converts to ours with transformers' logits in one process, at TP2 x PP2 (a stage holds both kinds of layer)
-and at EP2 x TP2 (with greedy ids), and HF -> ours -> HF is tensor-identical."""
+partial RoPE and zero-centred norms, a dense first layer and MoE layers with a gated shared expert; and Qwen3.5's
+text models, dense (qwen3_5_text) and MoE (qwen3_5_moe_text), the same network stored otherwise. Random tiny models
+convert to ours with transformers' logits in one process, Qwen3-Next's also at TP2 x PP2 (a stage holds both kinds
+of layer) and at EP2 x TP2 (with greedy ids), and HF -> ours -> HF is tensor-identical."""
 
 from __future__ import annotations
 
@@ -17,45 +18,64 @@ from tests.helpers import HF_VOCAB, convert, perturb_biases_and_norms
 from tests.test_hf_conversion import _ep2_tp2, _tp2_pp2, hf_logits, our_logits, read_text
 from tests.tolerances import assert_close_relative
 
+FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
-def qwen3_next_config():
-    from transformers import Qwen3NextConfig
 
-    return Qwen3NextConfig(
-        vocab_size=HF_VOCAB, hidden_size=64, num_hidden_layers=4, max_position_embeddings=64, bos_token_id=0,
-        eos_token_id=HF_VOCAB - 1, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[0],
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        rms_norm_eps=1e-6, tie_word_embeddings=False)
+def hf_config(family: str):
+    import transformers
+
+    shape = dict(vocab_size=HF_VOCAB, hidden_size=64, num_hidden_layers=4, max_position_embeddings=64,
+                 bos_token_id=0, eos_token_id=HF_VOCAB - 1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                 rms_norm_eps=1e-6, tie_word_embeddings=False)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return {"qwen3_next": lambda: transformers.Qwen3NextConfig(**shape, **experts, intermediate_size=96,
+                                                               mlp_only_layers=[0]),
+            "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**shape, intermediate_size=96),
+            "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(**shape, **experts)}[family]()
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> tuple[str, str]:
+def models(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """{family: (HF directory, converted megatron_lite directory)}."""
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("qwen3_next")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(qwen3_next_config())
-    perturb_biases_and_norms(model)  # the zero-centred norms' weights away from 0, the output norms' from 1
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                param.add_(0.3 * torch.randn_like(param))
-    model.save_pretrained(root / "hf")
-    convert("--direction", "hf-to-mlite", "--load-dir", str(root / "hf"), "--save-dir", str(root / "mlite"))
-    return str(root / "hf"), str(root / "mlite")
+    dirs = {}
+    for index, family in enumerate(FAMILIES):
+        root = tmp_path_factory.mktemp(family)
+        torch.manual_seed(index)
+        model = AutoModelForCausalLM.from_config(hf_config(family))
+        perturb_biases_and_norms(model)  # the zero-centred norms' weights away from 0, the output norms' from 1
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("A_log", "dt_bias")):
+                    param.add_(0.3 * torch.randn_like(param))
+        model.save_pretrained(root / "hf")
+        convert("--direction", "hf-to-mlite", "--load-dir", str(root / "hf"), "--save-dir", str(root / "mlite"))
+        dirs[family] = (str(root / "hf"), str(root / "mlite"))
+    return dirs
 
 
-def test_the_converted_model_has_qwen3_next_flags_and_transformers_logits(converted):
+@pytest.fixture(scope="module")
+def converted(models) -> tuple[str, str]:
+    return models["qwen3_next"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_converted_model_has_transformers_logits(models, family):
+    hf_dir, mlite_dir = models[family]
+    ids = torch.randint(0, HF_VOCAB, (2, 80), generator=torch.Generator().manual_seed(1))  # over one 64-token chunk
+    assert_close_relative(our_logits(mlite_dir, ids), hf_logits(hf_dir, ids), rel=1e-5)
+
+
+def test_the_converted_qwen3_next_has_its_flags(converted):
     hf_dir, mlite_dir = converted
     flags = yaml.safe_load(read_text(os.path.join(mlite_dir, "model.yaml")))
     assert flags["experimental_attention_variant"] == "gated_delta_net"
     assert flags["linear_attention_freq"] == "[1,0,1,0]" and flags["moe_layer_freq"] == "[0,1,1,1]"
     assert flags["rotary_percent"] == 0.25 and flags["apply_layernorm_1p"] and flags["attention_output_gate"]
-    ids = torch.randint(0, HF_VOCAB, (2, 80), generator=torch.Generator().manual_seed(1))  # over one 64-token chunk
-    assert_close_relative(our_logits(mlite_dir, ids), hf_logits(hf_dir, ids), rel=1e-5)
 
 
 def _cases(mlite_dir: str) -> dict:
@@ -95,8 +115,9 @@ def test_the_converted_model_at_ep2_tp2_gives_transformers_logits_and_greedy_ids
         assert torch.equal(greedy, tokens[:, ids.shape[1]:]), f"rank {rank}"
 
 
-def test_hf_to_mlite_to_hf_is_tensor_identical(converted, tmp_path):
-    hf_dir, mlite_dir = converted
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_to_mlite_to_hf_is_tensor_identical(models, family, tmp_path):
+    hf_dir, mlite_dir = models[family]
     convert("--direction", "mlite-to-hf", "--load-dir", mlite_dir, "--save-dir", str(tmp_path / "back"))
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     back = load_file(str(tmp_path / "back" / "model.safetensors"))

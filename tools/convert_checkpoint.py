@@ -135,7 +135,7 @@ def mlite_to_hf(args) -> str:
     saved = checkpoint.saved
     config = config_from_metadata(saved)
     m = config.model
-    family = configs.family_of_model(m)
+    family = configs.family_of_model(m, saved.get("hf", {}).get("config", {}).get("model_type"))
     problems = weights.shape_problems(checkpoint.shapes(), weights.megatron_shapes(family, m), path)
     if problems:
         raise ConversionError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

@@ -30,7 +30,8 @@ from megatron_lite.files import is_a
 from megatron_lite.model.attention.yarn import YarnScaling, yarn_mscale
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3",
-                         "qwen3_next")
+                         "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text")  # Qwen3-Next's network, the linear projections stored apart
 
 
 class ConversionError(UserError, ValueError):
@@ -250,7 +251,14 @@ def _qwen3_next_layers(hf: dict) -> tuple[list[bool], list[bool]]:
 def _qwen3_next_values(hf: dict) -> dict:
     """Qwen3-Next: Gated DeltaNet layers (--experimental-attention-variant) between softmax-attention layers with
     Qwen3's per-head norms, an output gate and partial RoPE; zero-centred norms (--apply-layernorm-1p); experts
-    routed by a softmax, renormalized over the top k with norm_topk_prob, with a gated shared expert."""
+    routed by a softmax, renormalized over the top k with norm_topk_prob, with a gated shared expert. Qwen3.5's
+    text models: the same, dense (qwen3_5_text) or with experts in every layer, always renormalized
+    (qwen3_5_moe_text, which has no dense MLP size)."""
+    if hf["model_type"] == "qwen3_5_moe_text":
+        hf = {**hf, "intermediate_size": hf.get("intermediate_size") or _get(hf, "moe_intermediate_size"),
+              "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1}
+    elif hf["model_type"] == "qwen3_5_text":
+        hf = {**hf, "num_experts": None}
     linear, moe = _qwen3_next_layers(hf)
     parameters = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
     values = {**_llama_values(hf), "qk_layernorm": True, "attention_output_gate": True, "apply_layernorm_1p": True,
@@ -271,7 +279,8 @@ def _qwen3_next_values(hf: dict) -> dict:
 
 _FROM_HF = {"llama": _llama_values, "qwen2": _qwen_values, "qwen3": _qwen_values, "gpt2": _gpt2_values,
             "mixtral": _mixtral_values, "qwen3_moe": _qwen_moe_values, "qwen2_moe": _qwen_moe_values,
-            "deepseek_v3": _deepseek_v3_values, "qwen3_next": _qwen3_next_values}
+            "deepseek_v3": _deepseek_v3_values, "qwen3_next": _qwen3_next_values, "qwen3_5_text": _qwen3_next_values,
+            "qwen3_5_moe_text": _qwen3_next_values}
 
 
 # The types of the config.json keys read above (null stands for a missing key), checked before any is used.
@@ -312,11 +321,17 @@ def model_values_from_hf(hf: dict) -> dict:
 # megatron_lite -> config.json
 
 
-def family_of_model(m: ModelConfig) -> str:
-    """Which Hugging Face family has exactly this network, or a ConversionError saying why none does."""
+def family_of_model(m: ModelConfig, base_model_type: str | None = None) -> str:
+    """Which Hugging Face family has exactly this network, or a ConversionError saying why none does.
+    `base_model_type`: the family a converted checkpoint came from, kept where it has this network (a Qwen3.5
+    exports as Qwen3.5, not as the Qwen3-Next it equals)."""
     if m.experimental_attention_variant is not None:
         refusal = _qwen3_next_refusal(m)
         if refusal is None:
+            all_moe = bool(m.num_experts) and all(moe_layer_pattern(m)) and not m.moe_router_pre_softmax
+            if (base_model_type == "qwen3_5_text" and not m.num_experts
+                    or base_model_type == "qwen3_5_moe_text" and all_moe):
+                return base_model_type
             return "qwen3_next"
         raise ConversionError(f"no Hugging Face model type has this network: qwen3_next (the one with Gated DeltaNet "
                               f"layers) needs {refusal}")
@@ -466,9 +481,11 @@ def _qwen3_next_refusal(m: ModelConfig) -> str | None:
     return ", ".join(missing) if missing else None
 
 
-def _qwen3_next_config(m: ModelConfig) -> dict:
+def _qwen3_next_config(m: ModelConfig, model_type: str = "qwen3_next") -> dict:
     config = _llama_config(m)
     del config["mlp_bias"]
+    if model_type in QWEN3_5:
+        return _qwen3_5_config(m, config, model_type)
     moe = moe_layer_pattern(m)
     types = ["linear_attention" if linear else "full_attention" for linear in linear_attention_pattern(m)]
     rope = {**config["rope_parameters"], "partial_rotary_factor": m.rotary_percent}
@@ -483,6 +500,24 @@ def _qwen3_next_config(m: ModelConfig) -> dict:
             "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size or 0,
             "norm_topk_prob": not m.moe_router_pre_softmax, "router_aux_loss_coef": m.moe_aux_loss_coeff,
             "decoder_sparse_step": 1, "mlp_only_layers": [i for i, is_moe in enumerate(moe) if not is_moe]}
+
+
+def _qwen3_5_config(m: ModelConfig, config: dict, model_type: str) -> dict:
+    rope = {**config["rope_parameters"], "partial_rotary_factor": m.rotary_percent}
+    config = {**config, "architectures": ["Qwen3_5ForCausalLM" if model_type == "qwen3_5_text" else
+                                          "Qwen3_5MoeForCausalLM"], "model_type": model_type, "rope_parameters": rope,
+              "layer_types": ["linear_attention" if linear else "full_attention"
+                              for linear in linear_attention_pattern(m)],
+              **{key: getattr(m, key) for key in ("linear_conv_kernel_dim", "linear_key_head_dim",
+                                                  "linear_value_head_dim", "linear_num_key_heads",
+                                                  "linear_num_value_heads")}}
+    if model_type == "qwen3_5_text":
+        return config
+    del config["intermediate_size"]
+    return {**config, "num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+            "moe_intermediate_size": m.moe_ffn_hidden_size,
+            "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+            "router_aux_loss_coef": m.moe_aux_loss_coeff}
 
 
 def _deepseek_v3_config(m: ModelConfig) -> dict:
@@ -516,13 +551,14 @@ _TO_HF = {"llama": _llama_config, "qwen2": lambda m: _qwen_config(m, "qwen2", "Q
           "mixtral": _mixtral_config,
           "qwen3_moe": lambda m: _qwen_moe_config(m, "qwen3_moe", "Qwen3MoeForCausalLM"),
           "qwen2_moe": lambda m: _qwen_moe_config(m, "qwen2_moe", "Qwen2MoeForCausalLM"),
-          "deepseek_v3": _deepseek_v3_config, "qwen3_next": _qwen3_next_config}
+          "deepseek_v3": _deepseek_v3_config, "qwen3_next": _qwen3_next_config,
+          **{model_type: lambda m, t=model_type: _qwen3_next_config(m, t) for model_type in QWEN3_5}}
 
 
 def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
     """config.json for model `m` whose weights are stored in `dtype`. `base` (the config.json a converted
     checkpoint came from) keeps what the network does not decide, such as bos/eos token ids."""
-    family = family_of_model(m)
+    family = family_of_model(m, (base or {}).get("model_type"))
     config = dict(base) if base and base.get("model_type") == family else {}
     config.update(_TO_HF[family](m))
     dtype_name = str(dtype).removeprefix("torch.")

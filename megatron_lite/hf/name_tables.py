@@ -99,10 +99,28 @@ def _conv_rows(config: ModelConfig) -> list[int]:
 
 # Qwen3-Next's in_proj_qkvz (per key head [q, k, v, z]) and in_proj_ba (per key head [b, a]) -> our in_proj
 GDN_PROJECTION = Transform(_per_key_head, lambda t, m: _from_key_heads(t, _projection_rows(m), m))
+def _split_qkv_channels(qkv: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+    """Qwen3.5's in_proj_qkv or the convolution's channels, [q; k; v] each over all key heads -> q, k, v."""
+    return list(qkv.split([config.linear_num_key_heads * rows for rows in _conv_rows(config)]))
+
+
+def _separate_projections_to_ours(hf: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    qkv, z, b, a = hf
+    return _per_key_head([*_split_qkv_channels(qkv, config), z, b, a], config)
+
+
+def _ours_to_separate_projections(t: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+    q_rows, k_rows, v_rows = _conv_rows(config)
+    group = config.linear_num_value_heads // config.linear_num_key_heads
+    q, k, v, z, b, a = _from_key_heads(t, [q_rows, k_rows, v_rows, v_rows, group, group], config)
+    return [torch.cat([q, k, v]), z, b, a]
+
+
+# Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a -> our in_proj
+GDN_SEPARATE_PROJECTIONS = Transform(_separate_projections_to_ours, _ours_to_separate_projections)
 # Qwen3-Next's conv1d ([q; k; v] channels, each over all key heads) -> ours, per key head [q, k, v]
-GDN_CONV = Transform(
-    lambda hf, m: _per_key_head(list(hf[0].split([m.linear_num_key_heads * rows for rows in _conv_rows(m)])), m),
-    lambda t, m: [torch.cat(_from_key_heads(t, _conv_rows(m), m))])
+GDN_CONV = Transform(lambda hf, m: _per_key_head(_split_qkv_channels(hf[0], m), m),
+                     lambda t, m: [torch.cat(_from_key_heads(t, _conv_rows(m), m))])
 
 
 def transposed(inner: Transform) -> Transform:
@@ -243,14 +261,22 @@ def qwen_moe_table(m: ModelConfig) -> NameTable:
     return _llama_table(m, _qwen_moe_mlp(m))
 
 
-def _gated_delta_net(m: ModelConfig) -> list[Rule]:
-    """Qwen3-Next's linear_attn (Gated DeltaNet) -> ours (model/linear_attention/gated_delta_net.py)."""
+def _gated_delta_net(m: ModelConfig, separate_projections: bool) -> list[Rule]:
+    """Qwen3-Next's (or, with `separate_projections`, Qwen3.5's) linear_attn (Gated DeltaNet) -> ours
+    (model/linear_attention/gated_delta_net.py)."""
     ours, theirs = "decoder.layers.{layer}.self_attention.", "model.layers.{layer}.linear_attn."
     keys = m.linear_num_key_heads * m.linear_key_head_dim
     values = m.linear_num_value_heads * m.linear_value_head_dim
     heads = m.linear_num_value_heads
-    return [Rule(ours + "in_proj.weight", (theirs + "in_proj_qkvz.weight", theirs + "in_proj_ba.weight"),
-                 lambda m: ((2 * keys + 2 * values, _h(m)), (2 * heads, _h(m))), GDN_PROJECTION),
+    if separate_projections:
+        projection = Rule(ours + "in_proj.weight", tuple(f"{theirs}in_proj_{part}.weight" for part in
+                                                         ("qkv", "z", "b", "a")),
+                          lambda m: ((2 * keys + values, _h(m)), (values, _h(m)), (heads, _h(m)), (heads, _h(m))),
+                          GDN_SEPARATE_PROJECTIONS)
+    else:
+        projection = Rule(ours + "in_proj.weight", (theirs + "in_proj_qkvz.weight", theirs + "in_proj_ba.weight"),
+                          lambda m: ((2 * keys + 2 * values, _h(m)), (2 * heads, _h(m))), GDN_PROJECTION)
+    return [projection,
             Rule(ours + "conv1d_weight", (theirs + "conv1d.weight",),
                  lambda m: ((2 * keys + values, 1, m.linear_conv_kernel_dim),), GDN_CONV),
             Rule(ours + "A_log", (theirs + "A_log",), lambda m: ((heads,),)),
@@ -259,17 +285,19 @@ def _gated_delta_net(m: ModelConfig) -> list[Rule]:
             Rule(ours + "out_proj.weight", (theirs + "out_proj.weight",), lambda m: ((_h(m), values),))]
 
 
-def qwen3_next_table(m: ModelConfig) -> NameTable:
+def qwen3_next_table(m: ModelConfig, separate_projections: bool = False) -> NameTable:
     """Qwen3-Next: Gated DeltaNet layers between gated softmax-attention layers (Qwen3's attention with an output
     gate in q_proj), zero-centred norms (stored as HF stores them), Qwen2-MoE's experts with a gated shared
-    expert, dense SwiGLU MLPs in mlp_only_layers."""
+    expert, dense SwiGLU MLPs in mlp_only_layers. Qwen3.5 (its text models) is the same network with the Gated
+    DeltaNet input projection stored as four tensors."""
     attention = _llama_attention(m)
     norms = attention[:2]  # input_layernorm and post_attention_layernorm, in both kinds of layer
     dense = _swiglu_mlp("decoder.layers.{layer}.mlp.", "model.layers.{layer}.mlp.", lambda m: m.ffn_hidden_size)
     moe = _qwen_moe_mlp(m) if m.num_experts else dense
     table = _llama_table(m, [])
     return NameTable(head=table.head, layer=attention + moe, tail=table.tail, dense_layer=attention + dense,
-                     linear_layer=lambda is_moe: norms + _gated_delta_net(m) + (moe if is_moe else dense))
+                     linear_layer=lambda is_moe: norms + _gated_delta_net(m, separate_projections)
+                     + (moe if is_moe else dense))
 
 
 def gpt2_table(m: ModelConfig) -> NameTable:
@@ -364,4 +392,5 @@ def _deepseek_v3_mtp(m: ModelConfig) -> list[Rule]:
 NAME_TABLES: dict[str, Callable[[ModelConfig], NameTable]] = {
     "llama": llama_table, "qwen2": llama_table, "qwen3": llama_table, "gpt2": gpt2_table, "mixtral": mixtral_table,
     "qwen3_moe": qwen_moe_table, "qwen2_moe": qwen_moe_table, "deepseek_v3": deepseek_v3_table,
-    "qwen3_next": qwen3_next_table}
+    "qwen3_next": qwen3_next_table, "qwen3_5_text": lambda m: qwen3_next_table(m, separate_projections=True),
+    "qwen3_5_moe_text": lambda m: qwen3_next_table(m, separate_projections=True)}
