@@ -126,3 +126,33 @@ def test_hf_to_mlite_to_hf_is_tensor_identical(models, family, tmp_path):
         assert torch.equal(back[name], tensor), name
     ids = torch.randint(0, HF_VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))
     assert torch.equal(hf_logits(str(tmp_path / "back"), ids), hf_logits(hf_dir, ids))  # its config.json too
+
+
+def test_greedy_generation_with_the_recurrent_state_equals_transformers_generate(converted):
+    """Our generation keeps each Gated DeltaNet layer's state and convolution inputs beside the KV cache of the
+    softmax layers; transformers' generate keeps its own cache: the same ids."""
+    from megatron_lite.inference.generation import generate
+    from megatron_lite.inference.sampling_params import SamplingParams
+    from tests.test_generation import our_model, transformers_greedy
+
+    hf_dir, mlite_dir = converted
+    prompt = torch.randint(0, HF_VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
+    ours = generate(our_model(mlite_dir), prompt, 12, SamplingParams(greedy=True))
+    assert torch.equal(ours, transformers_greedy(hf_dir, prompt, 12))
+
+
+def test_decoding_with_the_recurrent_state_equals_the_full_forward(converted):
+    """The prompt in one pass, then 3 tokens at once, then one at a time: the logits of one forward over all."""
+    from megatron_lite.inference.generation import InferenceParams
+    from tests.test_generation import our_model
+
+    model = our_model(converted[1])
+    tokens = torch.randint(0, HF_VOCAB, (2, 14), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(14))[..., :HF_VOCAB]
+        params, pieces = InferenceParams(14), []
+        for start, end in [(0, 6), (6, 9)] + [(i, i + 1) for i in range(9, 14)]:
+            logits = model(tokens[:, start:end], torch.arange(start, end), inference_params=params)
+            pieces.append(logits[..., :HF_VOCAB])
+            params.sequence_len_offset = end
+    assert_close_relative(torch.cat(pieces, dim=1), full, rel=1e-5)

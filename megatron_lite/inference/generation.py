@@ -2,7 +2,9 @@
 
 Each attention layer keeps the keys and values of every token it has seen (`InferenceParams`, Megatron's
 name), so a step runs the model on the newest token only and attends over the cache
-(model/attention/self_attention.py `cached_causal_attention`): O(s) work per token instead of O(s^2). Tokens are chosen
+(model/attention/self_attention.py `cached_causal_attention`): O(s) work per token instead of O(s^2). A Gated
+DeltaNet layer keeps instead its recurrent state and its convolution's last inputs (`LayerRecurrentState`):
+O(1) per token. Tokens are chosen
 greedily, or sampled with temperature, top-k and top-p (nucleus) filtering. Tensor parallelism works through
 the normal model: every TP rank gathers the full logits and draws from an identically seeded generator, so
 all ranks pick the same token. The whole model must sit in one pipeline stage.
@@ -43,18 +45,29 @@ class LayerKVCache:
         return self.key[:end], self.value[:end]
 
 
+class LayerRecurrentState:
+    """One Gated DeltaNet layer's state after the tokens so far (model/linear_attention/gated_delta_net.py): the
+    delta rule's state [b, heads/tp, dk, dv] and the convolution's last kernel - 1 inputs [kernel - 1, b,
+    channels/tp]; None before the first token."""
+
+    def __init__(self):
+        self.state: torch.Tensor | None = None
+        self.conv_inputs: torch.Tensor | None = None
+
+
 class InferenceParams:
-    """The generation state passed through GPTModel.forward: every layer's KV cache, and how many tokens
-    (`sequence_len_offset`) they hold. The caller advances the offset after each forward pass."""
+    """The generation state passed through GPTModel.forward: every layer's KV cache or recurrent state, and how
+    many tokens (`sequence_len_offset`) they hold. The caller advances the offset after each forward pass."""
 
     def __init__(self, max_sequence_length: int):
         self.max_sequence_length = max_sequence_length
         self.sequence_len_offset = 0
-        self.key_value_memory_dict: dict[int, LayerKVCache] = {}
+        self.key_value_memory_dict: dict[int, LayerKVCache | LayerRecurrentState] = {}
 
-    def layer_cache(self, layer_number: int) -> LayerKVCache:
+    def layer_cache(self, layer_number: int, recurrent: bool = False) -> LayerKVCache | LayerRecurrentState:
+        """The layer's KV cache, or with `recurrent` its recurrent state (a linear-attention layer)."""
         if layer_number not in self.key_value_memory_dict:
-            self.key_value_memory_dict[layer_number] = LayerKVCache(self)
+            self.key_value_memory_dict[layer_number] = LayerRecurrentState() if recurrent else LayerKVCache(self)
         return self.key_value_memory_dict[layer_number]
 
 

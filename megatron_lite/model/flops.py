@@ -14,10 +14,11 @@ from megatron_lite.model.moe.layer import moe_layer_numbers
 def gated_delta_net_flops(config: ModelConfig) -> tuple[int, float]:
     """(weights, mixing FLOPs per token) of one Gated DeltaNet layer's forward: the weights of its input and output
     projections, and the matrix products of the chunked delta rule (delta_rule.py) for each value head, over the
-    sequence padded to whole chunks of C: per token within its chunk q k^T and k k^T (2 C dk each), the scores
-    times the corrections (2 C dv), and three products with the [dk, dv] state (read by the corrections and the
-    queries, written once: 6 dk dv). The two triangular solves are not counted (nor by torch's FLOP counter)."""
-    h, C = config.hidden_size, CHUNK_SIZE
+    sequence padded to whole chunks of C (64, or the sequence when shorter): per token within its chunk q k^T and
+    k k^T (2 C dk each), the scores times the corrections (2 C dv), and three products with the [dk, dv] state
+    (read by the corrections and the queries, written once: 6 dk dv). The two triangular solves are not counted
+    (nor by torch's FLOP counter)."""
+    h, C = config.hidden_size, min(CHUNK_SIZE, config.seq_length)
     keys = config.linear_num_key_heads * config.linear_key_head_dim
     values = config.linear_num_value_heads * config.linear_value_head_dim
     weights = h * (2 * keys + 2 * values + 2 * config.linear_num_value_heads) + values * h

@@ -102,8 +102,9 @@ class TransformerLayer(torch.nn.Module):
                                          if config.torch_compile else None)
 
     def forward(self, x: torch.Tensor, rotary, inference_params=None) -> torch.Tensor:
-        if inference_params is not None:  # generation: the KV cache is Python state, so always eager
-            return self.residual_blocks(x, rotary, inference_params.layer_cache(self.layer_number))
+        if inference_params is not None:  # generation: the caches are Python state, so always eager
+            recurrent = isinstance(self.self_attention, GatedDeltaNet)
+            return self.residual_blocks(x, rotary, inference_params.layer_cache(self.layer_number, recurrent))
         return (self.compiled_residual_blocks or self.residual_blocks)(x, rotary)
 
     def residual_blocks(self, x: torch.Tensor, rotary, kv_cache=None) -> torch.Tensor:

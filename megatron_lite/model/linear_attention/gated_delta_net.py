@@ -15,6 +15,9 @@ the output projection is row-parallel, as in softmax attention.
 Documents in a packed sequence (--reset-attention-mask): the convolution reads no token of an earlier document
 and the rule's state restarts at each document's first token.
 
+In generation the layer is given its recurrent state (inference/generation.py's LayerRecurrentState): the tokens
+continue the state and the convolution's inputs left by the tokens before, and leave theirs.
+
 Initialization is the model's: the projections and the convolution normal, A_log 0 (A = 1) and dt_bias 1, the
 norm's weight 1.
 """
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.config.sections import ModelConfig
-from megatron_lite.model.linear_attention.delta_rule import chunk_gated_delta_rule
+from megatron_lite.model.linear_attention.delta_rule import CHUNK_SIZE, chunk_gated_delta_rule
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.state import ParallelState
@@ -86,24 +89,42 @@ class GatedDeltaNet(torch.nn.Module):
         self.out_proj = RowParallelLinear(heads * self.value_dim, config.hidden_size, pstate, bias=False,
                                           sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor, positions=None, kv_cache=None) -> torch.Tensor:
-        if kv_cache is not None:
-            raise NotImplementedError("generation with Gated DeltaNet layers needs a recurrent-state cache")
+    def forward(self, x: torch.Tensor, positions=None, recurrent_state=None) -> torch.Tensor:
         ids = positions.documents.ids.to(x.device) if positions is not None and positions.documents else None
         mixed = self.in_proj(x)  # [s, b, local key heads * per_key_head]
         s, b = mixed.shape[:2]
         q, k, v, z, write, decay = mixed.view(s, b, self.key_heads, -1).split(self.split_sizes, dim=-1)
         qkv = torch.cat([q, k, v], dim=-1).reshape(s, b, -1)
-        qkv = F.silu(causal_depthwise_conv(qkv, self.conv1d_weight, ids))
+        if recurrent_state is None:
+            qkv = causal_depthwise_conv(qkv, self.conv1d_weight, ids)
+        else:
+            qkv = self._continued_conv(qkv, recurrent_state)
+        qkv = F.silu(qkv)
         q, k, v = qkv.view(s, b, self.key_heads, -1).split(self.split_sizes[:3], dim=-1)
         q = l2_normalize(q).repeat_interleave(self.values_per_key, dim=2)  # [s, b, value heads, dk]
         k = l2_normalize(k).repeat_interleave(self.values_per_key, dim=2)
         v = v.reshape(s, b, self.value_heads, self.value_dim)
         beta = torch.sigmoid(write.reshape(s, b, self.value_heads).float())
         g = -self.A_log.float().exp() * F.softplus(decay.reshape(s, b, self.value_heads).float() + self.dt_bias)
-        out, _ = chunk_gated_delta_rule(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), scale=self.key_dim ** -0.5,
-                                        resets=None if ids is None else document_starts(ids))
+        initial = None if recurrent_state is None else recurrent_state.state
+        out, state = chunk_gated_delta_rule(*(t.transpose(0, 1) for t in (q, k, v, g, beta)),
+                                            scale=self.key_dim ** -0.5, initial_state=initial,
+                                            resets=None if ids is None else document_starts(ids),
+                                            chunk_size=min(CHUNK_SIZE, s))  # a short input: one chunk
+        if recurrent_state is not None:
+            recurrent_state.state = state
         out = out.transpose(0, 1)  # [s, b, value heads, dv]
         normed = F.rms_norm(out.float(), (self.value_dim,), self.norm_weight.float(), self.eps)
         gated = normed * F.silu(z.reshape(s, b, self.value_heads, self.value_dim).float())
         return self.out_proj(gated.to(x.dtype).reshape(s, b, -1))
+
+    def _continued_conv(self, qkv: torch.Tensor, recurrent_state) -> torch.Tensor:
+        """The convolution of new tokens [s, b, c] after the earlier ones, whose last kernel - 1 inputs the state
+        holds (zeros before the first token); the state then holds the new last inputs."""
+        kernel = self.conv1d_weight.shape[-1]
+        earlier = recurrent_state.conv_inputs
+        if earlier is None:
+            earlier = qkv.new_zeros(kernel - 1, *qkv.shape[1:])
+        inputs = torch.cat([earlier, qkv])
+        recurrent_state.conv_inputs = inputs[inputs.shape[0] - (kernel - 1):]
+        return causal_depthwise_conv(inputs, self.conv1d_weight, None)[kernel - 1:]
