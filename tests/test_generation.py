@@ -46,8 +46,12 @@ def test_greedy_generation_equals_transformers_generate(converted, family):
 
 @pytest.mark.parametrize("family", ["llama", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral"])
 def test_kv_cache_decoding_equals_full_forward(converted, family):
-    """Prompt in one pass, then 3 tokens at once (queries after an offset), then one at a time."""
-    model = our_model(converted[family][1])
+    assert_cached_decoding_equals_full_forward(our_model(converted[family][1]))
+
+
+def assert_cached_decoding_equals_full_forward(model) -> None:
+    """Prompt in one pass, then 3 tokens at once (queries after an offset), then one at a time: the logits of one
+    forward over all the tokens."""
     tokens = torch.randint(0, HF_VOCAB, (2, 14), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         full = model(tokens, torch.arange(14))[..., :HF_VOCAB]

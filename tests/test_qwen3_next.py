@@ -142,17 +142,6 @@ def test_greedy_generation_with_the_recurrent_state_equals_transformers_generate
 
 
 def test_decoding_with_the_recurrent_state_equals_the_full_forward(converted):
-    """The prompt in one pass, then 3 tokens at once, then one at a time: the logits of one forward over all."""
-    from megatron_lite.inference.generation import InferenceParams
-    from tests.test_generation import our_model
+    from tests.test_generation import assert_cached_decoding_equals_full_forward, our_model
 
-    model = our_model(converted[1])
-    tokens = torch.randint(0, HF_VOCAB, (2, 14), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        full = model(tokens, torch.arange(14))[..., :HF_VOCAB]
-        params, pieces = InferenceParams(14), []
-        for start, end in [(0, 6), (6, 9)] + [(i, i + 1) for i in range(9, 14)]:
-            logits = model(tokens[:, start:end], torch.arange(start, end), inference_params=params)
-            pieces.append(logits[..., :HF_VOCAB])
-            params.sequence_len_offset = end
-    assert_close_relative(torch.cat(pieces, dim=1), full, rel=1e-5)
+    assert_cached_decoding_equals_full_forward(our_model(converted[1]))
