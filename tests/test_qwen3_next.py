@@ -145,3 +145,52 @@ def test_decoding_with_the_recurrent_state_equals_the_full_forward(converted):
     from tests.test_generation import assert_cached_decoding_equals_full_forward, our_model
 
     assert_cached_decoding_equals_full_forward(our_model(converted[1]))
+
+
+# The published configs (Qwen/Qwen3-Next-80B-A3B, the text configs of Qwen/Qwen3.5-9B and Qwen/Qwen3.5-35B-A3B):
+# the keys that shape the network
+_PUBLISHED_COMMON = {"hidden_act": "silu", "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+                     "full_attention_interval": 4, "num_attention_heads": 16, "rms_norm_eps": 1e-6,
+                     "tie_word_embeddings": False, "max_position_embeddings": 262144, "router_aux_loss_coef": 0.001,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25}}
+_PUBLISHED_MOE = {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+PUBLISHED = {
+    "qwen3-next-80b-a3b": {**_PUBLISHED_COMMON, **_PUBLISHED_MOE, "model_type": "qwen3_next", "hidden_size": 2048,
+                           "intermediate_size": 5120, "num_hidden_layers": 48, "num_key_value_heads": 2,
+                           "vocab_size": 151936, "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": True,
+                           "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "qwen3.5-9b": {**_PUBLISHED_COMMON, "model_type": "qwen3_5_text", "hidden_size": 4096, "intermediate_size": 12288,
+                   "num_hidden_layers": 32, "num_key_value_heads": 4, "vocab_size": 248320},
+    "qwen3.5-35b-a3b": {**_PUBLISHED_COMMON, **_PUBLISHED_MOE, "model_type": "qwen3_5_moe_text", "hidden_size": 2048,
+                        "num_hidden_layers": 40, "num_key_value_heads": 2, "vocab_size": 248320, "num_experts": 256,
+                        "num_experts_per_tok": 8},
+}
+# (total, activated): transformers' counts of the configs above (the models' own classes, on the meta device);
+# Qwen3-Next's published figures are 80B and 3B, Qwen3.5's 9B and 35B-A3B
+COUNTS = {"qwen3-next-80b-a3b": (79_674_391_296, 3_874_929_408), "qwen3.5-9b": (8_953_803_264, 8_953_803_264),
+          "qwen3.5-35b-a3b": (34_660_610_688, 3_454_988_928)}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_presets_have_the_published_shapes_and_parameter_counts(preset):
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.config.layer_pattern import linear_attention_pattern, moe_layer_pattern
+    from megatron_lite.config.presets import MODEL_PRESETS
+    from megatron_lite.hf.configs import model_values_from_hf
+    from megatron_lite.hf.weights import hf_shapes
+
+    published = make_config({**model_values_from_hf(PUBLISHED[preset]), "mock_data": True, "seq_length": 4096}).model
+    m = make_config({"model_preset": preset, "mock_data": True}).model
+    for key in MODEL_PRESETS[preset]:
+        if key not in ("seq_length", "linear_attention_freq", "moe_layer_freq", "kv_channels"):
+            assert getattr(m, key) == getattr(published, key), key
+    assert m.head_dim == published.head_dim == 256
+    assert linear_attention_pattern(m) == linear_attention_pattern(published)
+    assert moe_layer_pattern(m) == moe_layer_pattern(published)
+    family = PUBLISHED[preset]["model_type"]
+    shapes = {name: torch.Size(shape).numel() for name, shape in hf_shapes(family, m).items()}
+    total, activated = COUNTS[preset]
+    assert sum(shapes.values()) == total
+    routed = sum(n for name, n in shapes.items() if ".mlp.experts." in name)
+    assert total - routed * (1 - m.moe_router_topk / m.num_experts if m.num_experts else 0) == activated

@@ -21,6 +21,22 @@ _DEEPSEEK_V3 = {
     "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-4,
 }
 
+# Qwen3-Next and Qwen3.5: three Gated DeltaNet layers (16 query/key heads of 128, 32 value heads of 128, a
+# 4-wide convolution), then one softmax-attention layer of 16 heads of 256 with an output gate, a quarter of each
+# head rotated (RoPE base 1e7), q/k norms, every norm zero-centred
+_QWEN3_NEXT = {
+    **_LLAMA, "qk_layernorm": True, "attention_output_gate": True, "apply_layernorm_1p": True, "rotary_percent": 0.25,
+    "kv_channels": 256, "num_attention_heads": 16, "rotary_base": 10000000.0, "norm_epsilon": 1e-6,
+    "seq_length": 4096, "max_position_embeddings": 262144, "experimental_attention_variant": "gated_delta_net",
+    "linear_attention_freq": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+}
+# Their MoE layers: experts of 512, a gated shared expert of 512, a softmax renormalized over the top k
+_QWEN3_NEXT_MOE = {
+    "moe_ffn_hidden_size": 512, "moe_shared_expert_intermediate_size": 512, "moe_shared_expert_gate": True,
+    "moe_aux_loss_coeff": 0.001,
+}
+
 MODEL_PRESETS: dict[str, dict] = {
     "gpt2-124m": {
         "num_layers": 12, "hidden_size": 768, "ffn_hidden_size": 3072, "num_attention_heads": 12,
@@ -99,6 +115,24 @@ MODEL_PRESETS: dict[str, dict] = {
         "rotary_base": 50000.0, "kv_lora_rank": 512, "num_experts": 64, "moe_router_topk": 6,
         "moe_ffn_hidden_size": 1408, "moe_layer_freq": "([0]*1+[1]*26)", "moe_shared_expert_intermediate_size": 2816,
         "moe_router_topk_scaling_factor": 2.446,
+    },
+    # Qwen/Qwen3-Next-80B-A3B's config.json: 48 layers, 512 experts, 10 per token. Published: 80B parameters, 3B
+    # activated; the preset holds 79,674,391,296 (transformers' count of that config), 3.87B activated.
+    "qwen3-next-80b-a3b": {
+        **_QWEN3_NEXT, **_QWEN3_NEXT_MOE, "num_layers": 48, "hidden_size": 2048, "ffn_hidden_size": 5120,
+        "num_query_groups": 2, "vocab_size": 151936, "num_experts": 512, "moe_router_topk": 10,
+    },
+    # Qwen/Qwen3.5-9B's text model (its vision tower is not part of the preset): 32 dense layers. 8,953,803,264
+    # parameters (transformers' count of its text config).
+    "qwen3.5-9b": {
+        **_QWEN3_NEXT, "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 12288, "num_query_groups": 4,
+        "vocab_size": 248320,
+    },
+    # Qwen/Qwen3.5-35B-A3B's text model: 40 layers of 256 experts, 8 per token. 34,660,610,688 parameters
+    # (transformers' count of its text config), 3.45B activated.
+    "qwen3.5-35b-a3b": {
+        **_QWEN3_NEXT, **_QWEN3_NEXT_MOE, "num_layers": 40, "hidden_size": 2048, "ffn_hidden_size": 512,
+        "num_query_groups": 2, "vocab_size": 248320, "num_experts": 256, "moe_router_topk": 8,
     },
     "mixtral-tiny": {
         **_LLAMA, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 256, "num_attention_heads": 4,
