@@ -121,3 +121,25 @@ def test_model_flops_are_the_matmuls_torch_counts_in_a_forward(seq_length):
     softmax_layers = m.num_layers - sum(linear_attention_pattern(m))
     counted = counter.get_total_flops() / (2 * seq_length) + softmax_layers * 4 * seq_length * 4 * m.head_dim
     assert training_flops_per_token(m) / 3 == pytest.approx(counted, rel=1e-12)
+
+
+def _train(values: dict, world_size: int) -> list[float]:
+    import pretrain_gpt
+    from megatron_lite.training.loop import pretrain
+
+    return [h["lm_loss"] for h in pretrain(make_config({**HYBRID, **values}, world_size), pretrain_gpt.model_provider,
+                                           pretrain_gpt.forward_step)]
+
+
+def _save_at_tp2(root: str) -> list[float]:
+    return _train({"tensor_model_parallel_size": 2, "save": root, "exit_interval": 2}, 2)
+
+
+def test_a_hybrid_checkpoint_resumes_bitwise_and_reshards_from_tp2_to_one_rank(tmp_path):
+    """Saved after 2 of 4 steps: resumed in the same layout the losses are the uninterrupted run's bit for bit;
+    saved at TP2 (linear heads and convolution channels split) and resumed on one rank, to float rounding."""
+    uninterrupted = _train({}, 1)
+    assert _train({"save": str(tmp_path / "one"), "exit_interval": 2}, 1) == uninterrupted[:2]
+    assert _train({"load": str(tmp_path / "one")}, 1) == uninterrupted[2:]
+    assert run_on_ranks(2, _save_at_tp2, str(tmp_path / "tp2"))[0] == pytest.approx(uninterrupted[:2], rel=1e-5)
+    assert _train({"load": str(tmp_path / "tp2")}, 1) == pytest.approx(uninterrupted[2:], rel=1e-5)
