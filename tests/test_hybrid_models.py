@@ -1,6 +1,7 @@
 """Hybrid models, Gated DeltaNet layers between softmax-attention layers (--experimental-attention-variant
 gated_delta_net): training equals one process under TP2 + SP, PP2 x VP2 (stages and virtual stages holding either
-kind of layer) with full recomputation, ZeRO-3 over DP2, with documents packed into the sequences
+kind of layer) with full recomputation, CP2 (the linear layers by an all-to-all to a head split, the softmax
+layers by each --cp-comm-type) and ZeRO-3 over DP2, with documents packed into the sequences
 (--reset-attention-mask); the layer pattern is Megatron's; misconfigurations are one line each."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ LAYOUTS = {  # on 2 ranks
     "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "pp2_vp2_full_recompute": {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1,
                                "recompute_granularity": "full"},
+    **{f"cp2_{kind}": {"context_parallel_size": 2, "cp_comm_type": kind} for kind in ("p2p", "allgather", "a2a")},
 }
 ZERO3 = {"use_distributed_optimizer": True, "data_parallel_sharding_strategy": "optim_grads_params"}
 
@@ -64,7 +66,8 @@ def test_hybrid_models_train_as_one_process_under_tp_sp_pp_vp_zero3_and_recomput
      r"tensor-model-parallel-size \(4\) must divide linear-num-key-heads \(2\)"),
     ({"linear_attention_freq": "[1,0,1]"}, r"--linear-attention-freq '\[1,0,1\]': the pattern has 3 entries for 4"),
     ({"linear_attention_freq": "__import__('os')"}, r"--linear-attention-freq .*Call is not allowed"),
-    ({"context_parallel_size": 2}, "Gated DeltaNet layers do not run under context parallelism yet"),
+    ({"context_parallel_size": 4}, r"context-parallel-size \(4\) must divide the linear-attention key heads of each "
+                                   r"tensor-parallel rank \(linear-num-key-heads 2 / tensor-model-parallel-size 1\)"),
 ])
 def test_impossible_linear_attention_settings_are_one_line(values, message):
     with pytest.raises(ConfigError, match=message):

@@ -45,9 +45,11 @@ def _linear_attention_problems(config: Config) -> list[str]:
     if key_heads % p.tensor_model_parallel_size:
         problems.append(f"tensor-model-parallel-size ({p.tensor_model_parallel_size}) must divide "
                         f"linear-num-key-heads ({key_heads}): tensor parallelism splits the linear-attention heads")
-    if p.context_parallel_size > 1 and any(linear_attention_pattern(m)):
-        problems.append("Gated DeltaNet layers do not run under context parallelism yet; use "
-                        "--context-parallel-size 1, or softmax attention in every layer")
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    if cp > 1 and not key_heads % tp and (key_heads // tp) % cp and any(linear_attention_pattern(m)):
+        problems.append(f"context-parallel-size ({cp}) must divide the linear-attention key heads of each tensor-"
+                        f"parallel rank (linear-num-key-heads {key_heads} / tensor-model-parallel-size {tp}): "
+                        f"context parallelism splits them for the Gated DeltaNet layers")
     if m.fp8_format is not None and any(linear_attention_pattern(m)):
         problems.append("--fp8-format does not apply to Gated DeltaNet layers yet; drop it or the variant")
     return problems

@@ -461,7 +461,7 @@ class AllGatherAttention(torch.autograd.Function):
 # All-to-all (Ulysses) attention
 
 
-def _sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+def sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     """[b, s/cp, n, d] of this rank's chunks -> [b, s, n/cp, d] in sequence order: head group j goes to rank j."""
     b, local, n, d = x.shape
     by_head_group = x.reshape(b, local, cp, n // cp, d).permute(2, 1, 0, 3, 4).flatten(0, 1)  # [cp*s/cp, b, n/cp, d]
@@ -469,8 +469,8 @@ def _sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return _chunks_to_sequence_order(received, cp).permute(1, 0, 2, 3)
 
 
-def _heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """Inverse of `_sequence_to_heads`: [b, s, n/cp, d] -> [b, s/cp, n, d] of this rank's chunks."""
+def heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """Inverse of `sequence_to_heads`: [b, s, n/cp, d] -> [b, s/cp, n, d] of this rank's chunks."""
     b, seq_length, heads, d = x.shape
     local = seq_length // cp
     by_rank = _chunks_to_rank_order(x.permute(1, 0, 2, 3), cp)  # [cp*s/cp, b, n/cp, d]
@@ -508,12 +508,12 @@ def all_to_all_attention(q, k, v, group, kernel, document_ids=None, ring_group=N
     a2a = 1 if group is None else dist.get_world_size(group)
     if k.shape[2] % a2a:  # too few K/V heads to split: one per query head
         k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
-    q, k, v = (_sequence_to_heads(t, group, a2a) for t in (q, k, v))  # [b, s*A/cp, nh/A, d]
+    q, k, v = (sequence_to_heads(t, group, a2a) for t in (q, k, v))  # [b, s*A/cp, nh/A, d]
     if ring_group is None:
         out = _CausalAttention.apply(q, k, v, kernel, document_ids)
     else:
         out = RingAttention.apply(q, k, v, ring_group, kernel, document_ids)
-    return _heads_to_sequence(out, group, a2a)
+    return heads_to_sequence(out, group, a2a)
 
 
 @torch.compiler.disable  # host-side planning, p2p and data-dependent ops: eager under --torch-compile

@@ -15,6 +15,12 @@ the output projection is row-parallel, as in softmax attention.
 Documents in a packed sequence (--reset-attention-mask): the convolution reads no token of an earlier document
 and the rule's state restarts at each document's first token.
 
+Context parallelism (any --cp-comm-type): an all-to-all after the input projection turns the sequence split into a
+key-head split, as Ulysses attention does (model/attention/context_parallel.py); each cp rank runs the
+convolution and the rule over the whole sequence for 1/cp of its key heads, with their slice of the
+convolution's and the decay's parameters, and a second all-to-all returns its tokens with all heads before the
+output projection. Megatron-Core runs Gated DeltaNet under CP the same way.
+
 In generation the layer is given its recurrent state (inference/generation.py's LayerRecurrentState): the tokens
 continue the state and the convolution's inputs left by the tokens before, and leave theirs.
 
@@ -28,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.config.sections import ModelConfig
+from megatron_lite.model.attention.context_parallel import heads_to_sequence, sequence_to_heads
 from megatron_lite.model.linear_attention.delta_rule import CHUNK_SIZE, chunk_gated_delta_rule
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -70,7 +77,8 @@ class GatedDeltaNet(torch.nn.Module):
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool):
         super().__init__()
         tp = pstate.tp_size
-        self.key_heads = config.linear_num_key_heads // tp
+        self.cp_group, self.cp_size, self.cp_rank = pstate.group("cp"), pstate.cp_size, pstate.cp_rank
+        self.key_heads = config.linear_num_key_heads // tp // self.cp_size  # those this rank computes
         self.values_per_key = config.linear_num_value_heads // config.linear_num_key_heads
         self.value_heads = self.key_heads * self.values_per_key
         self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
@@ -91,12 +99,16 @@ class GatedDeltaNet(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, positions=None, recurrent_state=None) -> torch.Tensor:
         ids = positions.documents.ids.to(x.device) if positions is not None and positions.documents else None
-        mixed = self.in_proj(x)  # [s, b, local key heads * per_key_head]
+        mixed = self.in_proj(x)  # [s, b, key heads/tp * per_key_head]
+        mixed = mixed.view(*mixed.shape[:2], -1, sum(self.split_sizes))
+        if self.cp_size > 1:  # [s/cp, b, heads/tp, ..] -> [s, b, heads/tp/cp, ..], the whole sequence
+            mixed = sequence_to_heads(mixed.transpose(0, 1), self.cp_group, self.cp_size).transpose(0, 1)
         s, b = mixed.shape[:2]
-        q, k, v, z, write, decay = mixed.view(s, b, self.key_heads, -1).split(self.split_sizes, dim=-1)
+        q, k, v, z, write, decay = mixed.split(self.split_sizes, dim=-1)
         qkv = torch.cat([q, k, v], dim=-1).reshape(s, b, -1)
+        conv_weight, A_log, dt_bias = self._local_head_parameters()
         if recurrent_state is None:
-            qkv = causal_depthwise_conv(qkv, self.conv1d_weight, ids)
+            qkv = causal_depthwise_conv(qkv, conv_weight, ids)
         else:
             qkv = self._continued_conv(qkv, recurrent_state)
         qkv = F.silu(qkv)
@@ -105,7 +117,7 @@ class GatedDeltaNet(torch.nn.Module):
         k = l2_normalize(k).repeat_interleave(self.values_per_key, dim=2)
         v = v.reshape(s, b, self.value_heads, self.value_dim)
         beta = torch.sigmoid(write.reshape(s, b, self.value_heads).float())
-        g = -self.A_log.float().exp() * F.softplus(decay.reshape(s, b, self.value_heads).float() + self.dt_bias)
+        g = -A_log.float().exp() * F.softplus(decay.reshape(s, b, self.value_heads).float() + dt_bias)
         initial = None if recurrent_state is None else recurrent_state.state
         out, state = chunk_gated_delta_rule(*(t.transpose(0, 1) for t in (q, k, v, g, beta)),
                                             scale=self.key_dim ** -0.5, initial_state=initial,
@@ -115,8 +127,22 @@ class GatedDeltaNet(torch.nn.Module):
             recurrent_state.state = state
         out = out.transpose(0, 1)  # [s, b, value heads, dv]
         normed = F.rms_norm(out.float(), (self.value_dim,), self.norm_weight.float(), self.eps)
-        gated = normed * F.silu(z.reshape(s, b, self.value_heads, self.value_dim).float())
-        return self.out_proj(gated.to(x.dtype).reshape(s, b, -1))
+        gated = normed * F.silu(z.reshape(s, b, self.value_heads, self.value_dim).float()).to(x.dtype)
+        if self.cp_size > 1:  # back to this rank's tokens, with all its heads
+            gated = heads_to_sequence(gated.transpose(0, 1), self.cp_group, self.cp_size).transpose(0, 1)
+        return self.out_proj(gated.reshape(*gated.shape[:2], -1))
+
+    def _local_head_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's weight, A_log and dt_bias of the key heads this rank computes: all of its tensor-parallel
+        shard, or under context parallelism the cp rank's part of it (the parameters are whole on every cp rank;
+        each one's gradient reaches only its part, and the data-parallel reduction over cp sums them)."""
+        if self.cp_size == 1:
+            return self.conv1d_weight, self.A_log, self.dt_bias
+        channels = self.conv1d_weight.shape[0] // self.cp_size
+        heads = self.A_log.shape[0] // self.cp_size
+        return (self.conv1d_weight[self.cp_rank * channels:(self.cp_rank + 1) * channels],
+                self.A_log[self.cp_rank * heads:(self.cp_rank + 1) * heads],
+                self.dt_bias[self.cp_rank * heads:(self.cp_rank + 1) * heads])
 
     def _continued_conv(self, qkv: torch.Tensor, recurrent_state) -> torch.Tensor:
         """The convolution of new tokens [s, b, c] after the earlier ones, whose last kernel - 1 inputs the state
