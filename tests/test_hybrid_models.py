@@ -1,8 +1,10 @@
 """Hybrid models, Gated DeltaNet layers between softmax-attention layers (--experimental-attention-variant
 gated_delta_net): training equals one process under TP2 + SP, PP2 x VP2 (stages and virtual stages holding either
 kind of layer) with full recomputation, CP2 (the linear layers by an all-to-all to a head split, the softmax
-layers by each --cp-comm-type) and ZeRO-3 over DP2, with documents packed into the sequences
-(--reset-attention-mask); the layer pattern is Megatron's; misconfigurations are one line each."""
+layers by each --cp-comm-type), ZeRO-3 over DP2 and, with MoE layers, experts folded over EP2 beside TP2, with
+documents packed into the sequences (--reset-attention-mask); a checkpoint resumes bitwise and reshards; the
+planner's parameters and the model FLOPs are the built model's; the layer pattern is Megatron's;
+misconfigurations are one line each."""
 
 from __future__ import annotations
 
@@ -26,6 +28,13 @@ LAYOUTS = {  # on 2 ranks
     **{f"cp2_{kind}": {"context_parallel_size": 2, "cp_comm_type": kind} for kind in ("p2p", "allgather", "a2a")},
 }
 ZERO3 = {"use_distributed_optimizer": True, "data_parallel_sharding_strategy": "optim_grads_params"}
+# Qwen3-Next's MoE layers (a gated shared expert) after a dense first layer, on 4 ranks: experts over EP2 with the
+# dense layers over TP2 and each expert whole (parallel folding, --expert-tensor-parallel-size 1)
+HYBRID_MOE = {**HYBRID, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
+              "moe_layer_freq": "[0,1,1,1]", "moe_shared_expert_intermediate_size": 48, "moe_shared_expert_gate": True,
+              "moe_aux_loss_coeff": 0.01}
+FOLDED = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+          "expert_tensor_parallel_size": 1}
 
 
 def test_linear_attention_freq_is_megatrons_pattern():
@@ -124,6 +133,14 @@ def test_model_flops_are_the_matmuls_torch_counts_in_a_forward(seq_length):
     softmax_layers = m.num_layers - sum(linear_attention_pattern(m))
     counted = counter.get_total_flops() / (2 * seq_length) + softmax_layers * 4 * seq_length * 4 * m.head_dim
     assert training_flops_per_token(m) / 3 == pytest.approx(counted, rel=1e-12)
+
+
+def _train_folded() -> tuple:
+    return train_and_collect({**HYBRID_MOE, **FOLDED}, 4)
+
+
+def test_a_hybrid_moe_model_trains_as_one_process_with_experts_folded_over_ep2_beside_tp2():
+    assert_run_matches(run_on_ranks(4, _train_folded), reference(HYBRID_MOE), rel=1e-5, tensor_rel=1e-4)
 
 
 def _train(values: dict, world_size: int) -> list[float]:
