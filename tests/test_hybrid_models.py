@@ -15,6 +15,7 @@ from megatron_lite.config.layer_pattern import linear_attention_pattern
 from megatron_lite.errors import ConfigError
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_2_LAYERS, assert_run_matches, losses_and_norms, reference, train_and_collect
+from tests.test_window_and_sinks import GPT_OSS_LIKE
 
 LINEAR = {"experimental_attention_variant": "gated_delta_net", "linear_num_key_heads": 2, "linear_num_value_heads": 4,
           "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}
@@ -89,9 +90,11 @@ def test_linear_attention_flags_without_the_variant_are_refused():
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_the_planner_counts_the_parameters_each_rank_builds(tp, pp):
+@pytest.mark.parametrize("variant", ["hybrid", "output_gate_and_sinks"])
+def test_the_planner_counts_the_parameters_each_rank_builds(tp, pp, variant):
     """Parameter shapes in module order, per rank: the planner's ZeRO buckets and memory report rest on them. (A
-    model built for TP rank 0 alone, with no process group: shapes are what the layout gives every rank.)"""
+    model built for TP rank 0 alone, with no process group: shapes are what the layout gives every rank.) The
+    second model has Qwen3-Next's gated softmax attention and gpt-oss's learned sinks."""
     import torch
 
     import pretrain_gpt
@@ -99,14 +102,15 @@ def test_the_planner_counts_the_parameters_each_rank_builds(tp, pp):
     from megatron_lite.parallel.state import Layout, ParallelState
     from megatron_lite.planning.state_memory import chunk_params
 
-    config = make_config({**HYBRID, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}, tp * pp)
+    values = HYBRID if variant == "hybrid" else {**GPT_OSS_LIKE, "attention_output_gate": True}
+    config = make_config({**values, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}, tp * pp)
     for pp_rank in range(pp):
         (plan,) = model_chunk_plans(config, pp_rank)
         pstate = ParallelState.without_groups(Layout.from_world(tp * pp, tp=tp, pp=pp), pp_rank * tp)
         model = pretrain_gpt.model_provider(config, pstate, plan, torch.device("cpu"))
         assert [shape.numel for shape in chunk_params(config, plan)] == [p.numel() for p in model.parameters()]
-        linear_layer = model.decoder.layers[0].self_attention
-        assert type(linear_layer).__name__ == "GatedDeltaNet"
+        first_layer = model.decoder.layers[0].self_attention
+        assert type(first_layer).__name__ == ("GatedDeltaNet" if values is HYBRID else "SelfAttention")
 
 
 @pytest.mark.parametrize("seq_length", [32, 100], ids=["one_partial_chunk", "two_chunks"])

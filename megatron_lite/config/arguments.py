@@ -31,6 +31,7 @@ __all__ = ["ConfigError", "build_parser", "field_docs", "make_config", "parse_co
 # whose type is read off the dataclass field.
 _CHOICES = {
     "experimental_attention_variant": ["gated_delta_net"],
+    "softmax_type": ["vanilla", "learnable", "off-by-one"],
     "normalization": ["LayerNorm", "RMSNorm"],
     "position_embedding_type": ["learned_absolute", "rope"],
     "moe_token_dispatcher_type": ["alltoall", "allgather"],
@@ -58,7 +59,7 @@ _CHOICES = {
 }
 _DERIVED = {"data_parallel_size"}
 # Flags that take a fixed number of values, by the name of each value.
-_VALUE_NAMES = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES"),
+_VALUE_NAMES = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES"), "window_size": ("LEFT", "RIGHT"),
                 "hierarchical_context_parallel_sizes": ("A", "B")}
 
 

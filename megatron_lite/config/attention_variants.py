@@ -1,5 +1,5 @@
-"""The model flags of the 2025-2026 architectures (Qwen3-Next, Qwen3.5): linear-attention layers between the
-softmax-attention ones, and the softmax-attention options these models use. A section of ModelConfig kept in a
+"""The model flags of the 2025-2026 architectures (Qwen3-Next, Qwen3.5, gpt-oss): linear-attention layers between
+the softmax-attention ones, and the softmax-attention options these models use. A section of ModelConfig kept in a
 file of its own, with Megatron-Core's TransformerConfig names."""
 
 from __future__ import annotations
@@ -37,3 +37,13 @@ class AttentionVariantsConfig:
     starting at 0 (Megatron's layernorm_zero_centered_gamma; Qwen3-Next)"""
     rotary_percent: float = 1.0
     """the fraction of each head's dimensions RoPE rotates, the leading ones (Qwen3-Next: 0.25)"""
+    window_size: list[int] | None = None
+    """LEFT RIGHT: sliding-window attention, each query seeing the LEFT keys before it and itself (RIGHT must be 0
+    in a causal decoder; gpt-oss: 127 0), in the layers --window-attn-skip-freq leaves windowed; unset: full
+    attention"""
+    window_attn_skip_freq: str | int | list[int] | None = None
+    """with --window-size: N: N - 1 windowed layers, then one full-attention layer, repeated (gpt-oss: 2); or one 1
+    (windowed) / 0 (full) per layer as a list expression; unset: every layer windowed"""
+    softmax_type: str = "vanilla"
+    """vanilla: plain softmax; learnable: one more learned logit per head in every softmax denominator, an
+    attention sink without a value (gpt-oss); off-by-one: that logit fixed at 0"""

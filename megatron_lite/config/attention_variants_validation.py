@@ -27,9 +27,31 @@ def _softmax_option_problems(config: Config) -> list[str]:
                         f"number of dimensions for RoPE to rotate in pairs")
     if m.multi_latent_attention and m.attention_output_gate:
         problems.append("--attention-output-gate is not built for multi-latent attention; drop one of them")
+    problems += _window_and_sink_problems(config)
     if m.multi_latent_attention and m.rotary_percent != 1:
         problems.append("--rotary-percent does not apply to multi-latent attention, whose RoPE dimensions are "
                         "--qk-pos-emb-head-dim")
+    return problems
+
+
+def _window_and_sink_problems(config: Config) -> list[str]:
+    m, p = config.model, config.parallel
+    window, sinks = m.window_size, m.softmax_type != "vanilla"
+    if window is None and not sinks:
+        return []
+    problems = []
+    if window is not None and (len(window) != 2 or window[0] < 0 or window[1] != 0):
+        problems.append(f"window-size {window} must be LEFT 0 with LEFT >= 0 (a causal decoder sees no key after "
+                        f"the query)")
+    what = "--window-size" if window is not None else f"--softmax-type {m.softmax_type}"
+    if p.context_parallel_size > 1:
+        problems.append(f"{what} does not run under context parallelism yet; use --context-parallel-size 1")
+    if m.multi_latent_attention:
+        problems.append(f"{what} is not built for multi-latent attention; drop one of them")
+    if m.attention_dropout > 0:
+        problems.append(f"{what} needs --attention-dropout 0 (its attention has no dropout)")
+    if m.attention_backend == "flash":
+        problems.append(f"{what} computes its attention itself; drop --attention-backend flash")
     return problems
 
 

@@ -110,6 +110,7 @@ RULES: dict[str, tuple[Needs | Excludes, ...]] = {
     **{name: (_LINEAR_ATTENTION,) for name in ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
                                                "linear_value_head_dim", "linear_num_key_heads",
                                                "linear_num_value_heads")},
+    "window_attn_skip_freq": (needs("window_size"),),
     "moe_router_pre_softmax": (_MOE, needs("moe_router_score_function", values=("softmax",))),
     "moe_router_enable_expert_bias": (_MOE, needs("moe_router_score_function", values=("sigmoid",))),
     "moe_router_bias_update_rate": (needs("moe_router_enable_expert_bias"),),
@@ -193,7 +194,7 @@ STANDS_ALONE = frozenset({
     "qk_layernorm", "multi_latent_attention", "untie_embeddings_and_output_weights", "disable_bias_linear",
     "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by", "model_preset",
     "num_experts", "fp8_format", "mtp_num_layers", "experimental_attention_variant", "attention_output_gate",
-    "apply_layernorm_1p", "recompute_granularity",
+    "apply_layernorm_1p", "window_size", "softmax_type", "recompute_granularity",
     "attention_backend", "torch_compile",
     # --vocab-size sizes --mock-data and NullTokenizer corpora; with a tokenizer its vocabulary wins (presets set it)
     "vocab_size",

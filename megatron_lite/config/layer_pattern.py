@@ -133,6 +133,26 @@ def linear_attention_pattern(config: ModelConfig) -> list[bool]:
     return list(_parsed(freq, config.num_layers, parse_linear_attention_freq))
 
 
+def window_attention_pattern(config: ModelConfig) -> list[bool]:
+    """One bool per layer of the decoder, True where its softmax attention has --window-size's sliding window:
+    the layers --window-attn-skip-freq leaves windowed (the same forms as --linear-attention-freq), every layer
+    without it; all False without a window."""
+    if config.window_size is None:
+        return [False] * config.num_layers
+    freq = config.window_attn_skip_freq
+    if freq is None:
+        return [True] * config.num_layers
+    if isinstance(freq, list):
+        return parse_linear_attention_freq(freq, config.num_layers)
+    return list(_parsed(freq, config.num_layers, parse_linear_attention_freq))
+
+
+def attention_window(config: ModelConfig, layer_number: int) -> int | None:
+    """The window (keys before the query) of global layer `layer_number`'s softmax attention, None for full."""
+    pattern = window_attention_pattern(config)
+    return config.window_size[0] if pattern[min(layer_number, len(pattern) - 1)] else None
+
+
 def is_linear_attention_layer(config: ModelConfig, layer_number: int) -> bool:
     """Whether global layer `layer_number` (0-based) is a linear-attention layer; a multi-token prediction layer
     is of the last decoder layer's kind."""
@@ -158,11 +178,14 @@ def layer_kinds(config: ModelConfig) -> list[LayerKind]:
 
 
 def layer_pattern_problems(config: ModelConfig) -> list[str]:
-    """One line for each of --moe-layer-freq and --linear-attention-freq that cannot be read for this model."""
+    """One line for each of --moe-layer-freq, --linear-attention-freq and --window-attn-skip-freq that cannot be read
+    for this model."""
     problems = []
     for flag, active, value, parse in (
             ("--moe-layer-freq", config.num_experts, config.moe_layer_freq, parse_moe_layer_freq),
             ("--linear-attention-freq", config.experimental_attention_variant, config.linear_attention_freq,
+             parse_linear_attention_freq),
+            ("--window-attn-skip-freq", config.window_attn_skip_freq is not None, config.window_attn_skip_freq,
              parse_linear_attention_freq)):
         try:
             if active:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.config.layer_pattern import is_linear_attention_layer
+from megatron_lite.config.layer_pattern import attention_window, is_linear_attention_layer
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.mla import MultiLatentAttention
 from megatron_lite.model.attention.self_attention import SelfAttention
@@ -90,11 +90,15 @@ class TransformerLayer(torch.nn.Module):
         self.input_layernorm = Norm(config, sequence_parallel)
         if is_linear_attention_layer(config, layer_number):
             self.self_attention = GatedDeltaNet(config, pstate, sequence_parallel=sequence_parallel)
+        elif config.multi_latent_attention:
+            self.self_attention = MultiLatentAttention(config, pstate, sequence_parallel=sequence_parallel,
+                                                       backend=attention_backend, rng_tracker=rng_tracker,
+                                                       cp_comm_type=cp_comm_type, fp8=fp8)
         else:
-            attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
-            self.self_attention = attention(config, pstate, sequence_parallel=sequence_parallel,
-                                            backend=attention_backend, rng_tracker=rng_tracker,
-                                            cp_comm_type=cp_comm_type, fp8=fp8)
+            self.self_attention = SelfAttention(config, pstate, sequence_parallel=sequence_parallel,
+                                                backend=attention_backend, rng_tracker=rng_tracker,
+                                                cp_comm_type=cp_comm_type, fp8=fp8,
+                                                window=attention_window(config, layer_number))
         self.pre_mlp_layernorm = Norm(config, sequence_parallel)
         self.mlp = mlp if mlp is not None else MLP(config, pstate, sequence_parallel=sequence_parallel, fp8=fp8)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)

@@ -94,8 +94,9 @@ def layer_numels(config: Config, kind: LayerKind) -> tuple[list[int], list[int]]
         dense = [*_norm(config, h), *_latent_attention_params(config)]
     else:
         query_rows = m.num_attention_heads * (2 if m.attention_output_gate else 1)  # and the gates
-        dense = [*_norm(config, h), *_linear((query_rows + 2 * m.num_query_groups) * d, h, bias or m.add_qkv_bias,
-                                             0, tp)]
+        sinks = [_NotMuon(m.num_attention_heads // tp)] if m.softmax_type == "learnable" else []
+        dense = [*_norm(config, h), *sinks, *_linear((query_rows + 2 * m.num_query_groups) * d, h,
+                                                     bias or m.add_qkv_bias, 0, tp)]
         if m.qk_layernorm:
             dense += _norm(config, d) * 2
         dense += _linear(h, m.num_attention_heads * d, bias, 1, tp)

@@ -35,6 +35,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.context_parallel import context_parallel_attention
+from megatron_lite.model.attention.window_and_sinks import window_sink_attention
 from megatron_lite.model.attention.yarn import YarnScaling
 from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.normalization import apply_norm
@@ -354,12 +355,17 @@ class SelfAttention(torch.nn.Module):
 
     With --attention-output-gate (Qwen3-Next) the projection also makes a gate for every query head, next to it
     (per group: [q_0, gate_0, q_1, gate_1, .., k, v], Megatron's layout), and each head's output is multiplied
-    by sigmoid(gate) before the output projection."""
+    by sigmoid(gate) before the output projection. With a `window` (this layer's --window-size) or attention sinks
+    (--softmax-type learnable or off-by-one) the core attention is window_and_sinks.py's; the learned sinks are
+    split over TP with their heads."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool,
                  backend: str, rng_tracker: RNGTracker | None, cp_comm_type: str = "p2p",
-                 fp8: FP8Recipe | None = None):
+                 fp8: FP8Recipe | None = None, window: int | None = None):
         super().__init__()
+        self.window, self.softmax_type = window, config.softmax_type
+        self.sinks = (new_parameter(ShardSpec((config.num_attention_heads,), tp_dim=0, init="zeros"), pstate.tp_size)
+                      if config.softmax_type == "learnable" else None)
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_groups = config.num_query_groups // pstate.tp_size
         self.head_dim = config.head_dim
@@ -401,6 +407,12 @@ class SelfAttention(torch.nn.Module):
             q, k = apply_rotary(q, positions.cos, positions.sin), apply_rotary(k, positions.cos, positions.sin)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # [s_cached + s, b, ng/tp, d]
+        if self.window is not None or self.softmax_type != "vanilla":
+            sinks = self.sinks if self.softmax_type == "learnable" else (
+                q.new_zeros(q.shape[2]) if self.softmax_type == "off-by-one" else None)
+            documents = positions.documents.ids if positions.documents is not None else None
+            out = window_sink_attention(q, k, v, window=self.window, sinks=sinks, document_ids=documents)
+        elif kv_cache is not None:
             out = cached_causal_attention(q, k, v)
         elif self.recompute_core_attention and self.training:
             out = checkpoint(self.core_attention, self.core_attention.rng_tracker, q, k, v, positions.documents)

@@ -1,0 +1,119 @@
+"""Sliding-window attention (--window-size, --window-attn-skip-freq) and attention sinks (--softmax-type), as
+gpt-oss has them: the attention equals its definition computed query by query (forward and gradients, with
+packed documents and grouped heads); a model with both trains as one process at TP2 (sinks split with their
+heads) and PP2; cached decoding equals the full forward; the window pattern is Megatron's; bad values are one
+line each."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_pattern import window_attention_pattern
+from megatron_lite.errors import ConfigError
+from megatron_lite.model.attention.window_and_sinks import window_sink_attention
+from tests.harness import run_on_ranks
+from tests.helpers import TINY_2_LAYERS, assert_run_matches, train_and_collect
+from tests.tolerances import assert_close_relative
+
+
+def reference_attention(q, k, v, window, sinks, ids):
+    """For each query (b, head, i): softmax over the keys j <= i with i - j <= window in its document, and the
+    sink logit, the sink's share dropped; fp64, one query at a time."""
+    s, b, heads, d = q.shape
+    groups = heads // k.shape[2]
+    out = torch.zeros(s, b, heads, d, dtype=torch.float64)
+    for batch in range(b):
+        for head in range(heads):
+            for i in range(s):
+                keys = [j for j in range(i + 1) if (window is None or i - j <= window)
+                        and (ids is None or ids[batch, j] == ids[batch, i])]
+                logits = torch.stack([q[i, batch, head].double() @ k[j, batch, head // groups].double() / math.sqrt(d)
+                                      for j in keys])
+                if sinks is not None:
+                    logits = torch.cat([logits, sinks[head].double().reshape(1)])
+                weights = logits.softmax(0)[:len(keys)]
+                out[i, batch, head] = sum(w * v[j, batch, head // groups].double() for w, j in zip(weights, keys))
+    return out.reshape(s, b, -1)
+
+
+@pytest.mark.parametrize("window,with_sinks,documents", [(3, True, False), (None, True, True), (4, False, True)],
+                         ids=["window_sinks", "sinks_documents", "window_documents"])
+def test_the_attention_equals_its_definition_forward_and_backward(window, with_sinks, documents):
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(10, 2, 4, 8, generator=generator, requires_grad=True)
+    k, v = (torch.randn(10, 2, 2, 8, generator=generator, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=generator, requires_grad=True) if with_sinks else None
+    ids = torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3]) if documents else None
+    out = window_sink_attention(q, k, v, window=window, sinks=sinks, document_ids=ids)
+    expected = reference_attention(q, k, v, window, sinks, ids)
+    assert_close_relative(out.double(), expected.detach(), rel=1e-5)
+    weights = torch.randn(out.shape, generator=generator)
+    inputs = [t for t in (q, k, v, sinks) if t is not None]
+    grads = torch.autograd.grad((out * weights).sum(), inputs)
+    reference_grads = torch.autograd.grad((expected * weights.double()).sum(), inputs)
+    for grad, ref in zip(grads, reference_grads):
+        assert_close_relative(grad.double(), ref.double(), rel=1e-5)
+
+
+GPT_OSS_LIKE = {**TINY_2_LAYERS, "num_layers": 4, "window_size": [5, 0], "window_attn_skip_freq": 2,
+                "softmax_type": "learnable", "disable_bias_linear": False, "train_iters": 4,
+                "reset_attention_mask": True, "attention_dropout": 0.0, "hidden_dropout": 0.0}
+
+
+def test_window_attn_skip_freq_is_megatrons_pattern():
+    def pattern(freq):
+        return window_attention_pattern(make_config({**GPT_OSS_LIKE, "window_attn_skip_freq": freq}).model)
+
+    assert pattern(2) == [True, False, True, False]  # gpt-oss: windowed, then full, alternating
+    assert pattern("[1,1,0,1]") == [True, True, False, True]
+    assert pattern(None) == [True] * 4
+
+
+def _train_layouts() -> dict:
+    return {name: train_and_collect({**GPT_OSS_LIKE, **flags}, 2) for name, flags in (
+        ("tp2_sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+        ("pp2", {"pipeline_model_parallel_size": 2}))}
+
+
+def test_windows_and_sinks_train_as_one_process_at_tp2_and_pp2():
+    """The learned sinks move (their gradients are compared too) and are split over TP with the heads."""
+    expected = train_and_collect(GPT_OSS_LIKE, 1)
+    per_rank = run_on_ranks(2, _train_layouts)
+    for name in ("tp2_sp", "pp2"):
+        assert_run_matches([runs[name] for runs in per_rank], expected, rel=1e-5, tensor_rel=1e-4)
+    sink_grads = [tensor for (name, _), tensor in _joined_grads(expected).items() if name.endswith("sinks")]
+    assert len(sink_grads) == 4 and all(grad.abs().max() > 0 for grad in sink_grads)
+
+
+def _joined_grads(run) -> dict:
+    from tests.helpers import join_shards
+
+    return join_shards([run[2]])
+
+
+def test_cached_decoding_with_windows_and_sinks_equals_the_full_forward():
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.state import ParallelState
+    from tests.test_generation import assert_cached_decoding_equals_full_forward
+
+    m = make_config({**GPT_OSS_LIKE, "vocab_size": 300, "window_size": [3, 0], "softmax_type": "off-by-one",
+                     "reset_attention_mask": False}).model
+    torch.manual_seed(0)
+    model = GPTModel(m, ParallelState.single(), padded_vocab=300, seed=1).eval()
+    assert_cached_decoding_equals_full_forward(model)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"window_size": [5, 2]}, r"window-size \[5, 2\] must be LEFT 0"),
+    ({"context_parallel_size": 2}, "--window-size does not run under context parallelism yet"),
+    ({"window_size": None, "window_attn_skip_freq": None, "attention_dropout": 0.1},
+     "--softmax-type learnable needs --attention-dropout 0"),
+    ({"window_attn_skip_freq": "[1,0]"}, r"--window-attn-skip-freq '\[1,0\]': the pattern has 2 entries for 4"),
+])
+def test_impossible_window_and_sink_settings_are_one_line(values, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config({**GPT_OSS_LIKE, **values}, 2)
