@@ -117,3 +117,36 @@ def test_cached_decoding_with_windows_and_sinks_equals_the_full_forward():
 def test_impossible_window_and_sink_settings_are_one_line(values, message):
     with pytest.raises(ConfigError, match=message):
         make_config({**GPT_OSS_LIKE, **values}, 2)
+
+
+def test_gpt_oss_clamped_swiglu_equals_transformers_expert_activation():
+    """--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7 on fc1's [gate; up] halves is
+    transformers' GptOssExperts gate (which reads the halves interleaved: gate = [..., ::2], up = [..., 1::2])."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from megatron_lite.model.mlp import activation
+
+    theirs = GptOssExperts(GptOssConfig(hidden_size=8, intermediate_size=16, num_local_experts=2))
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0)) * 6  # beyond the clamp of 7
+    ours = activation(make_config({**GPT_OSS_LIKE, "swiglu": False, "quick_geglu": True, "glu_linear_offset": 1.0,
+                                   "activation_func_clamp_value": 7.0}).model, x)
+    interleaved = torch.stack(x.chunk(2, dim=-1), dim=-1).flatten(-2)  # [g0, u0, g1, u1, ...]
+    assert_close_relative(ours, theirs._apply_gate(interleaved), rel=1e-6)
+    assert (x.abs() > 7).any()
+
+
+def test_a_clamped_quick_geglu_model_trains_as_one_process_at_tp2():
+    """The activation is elementwise on each rank's fc1 halves: TP2 + SP equals one process."""
+    values = {**GPT_OSS_LIKE, "swiglu": False, "quick_geglu": True, "glu_linear_offset": 1.0,
+              "activation_func_clamp_value": 0.05, "train_iters": 2}  # a clamp that bites at these small weights
+    assert_run_matches(run_on_ranks(2, train_and_collect, {**values, "tensor_model_parallel_size": 2,
+                                                           "sequence_parallel": True}, 2),
+                       train_and_collect(values, 1), rel=1e-5, tensor_rel=1e-4)
+
+
+def test_the_gated_unit_options_need_a_gated_unit_and_quick_geglu_excludes_swiglu():
+    with pytest.raises(ConfigError, match="--activation-func-clamp-value acts only with --swiglu or --quick-geglu"):
+        make_config({**TINY_2_LAYERS, "swiglu": False, "activation_func_clamp_value": 7.0})
+    with pytest.raises(ConfigError, match="--quick-geglu and --swiglu exclude each other"):
+        make_config({**TINY_2_LAYERS, "quick_geglu": True})

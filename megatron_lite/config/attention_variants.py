@@ -44,6 +44,14 @@ class AttentionVariantsConfig:
     window_attn_skip_freq: str | int | list[int] | None = None
     """with --window-size: N: N - 1 windowed layers, then one full-attention layer, repeated (gpt-oss: 2); or one 1
     (windowed) / 0 (full) per layer as a list expression; unset: every layer windowed"""
+    quick_geglu: bool = False
+    """a gated MLP whose gate goes through quick GELU, x sigmoid(1.702 x), instead of SiLU (gpt-oss; Megatron's
+    --quick-geglu); exclusive with --swiglu"""
+    glu_linear_offset: float = 0.0
+    """with --swiglu or --quick-geglu: added to the up half before the product, act(gate) (up + offset) (gpt-oss: 1)"""
+    activation_func_clamp_value: float | None = None
+    """with --swiglu or --quick-geglu: the gate clamped to at most this and the up half to +-this before the
+    activation (gpt-oss: 7); unset: no clamp"""
     softmax_type: str = "vanilla"
     """vanilla: plain softmax; learnable: one more learned logit per head in every softmax denominator, an
     attention sink without a value (gpt-oss); off-by-one: that logit fixed at 0"""

@@ -90,6 +90,8 @@ RULES: dict[str, tuple[Needs | Excludes, ...]] = {
     # model
     "num_query_groups": (needs("group_query_attention"),),
     "openai_gelu": (Excludes("swiglu"),),
+    "quick_geglu": (Excludes("swiglu"),),
+    **{name: (needs("swiglu", "quick_geglu"),) for name in ("glu_linear_offset", "activation_func_clamp_value")},
     "rotary_base": (needs("position_embedding_type", values=("rope",)),),
     "add_qkv_bias": (needs("disable_bias_linear"),),
     "use_rope_scaling": (needs("position_embedding_type", values=("rope",)),),

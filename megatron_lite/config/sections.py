@@ -199,6 +199,11 @@ class ModelConfig(AttentionVariantsConfig):
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def gated_linear_unit(self) -> bool:
+        """Whether fc1 makes [gate; up] halves: --swiglu, or --quick-geglu."""
+        return self.swiglu or self.quick_geglu
+
+    @property
     def rotary_dims(self) -> int:
         """The leading dimensions of each head that RoPE rotates (--rotary-percent of the head dimension)."""
         return round(self.head_dim * self.rotary_percent)

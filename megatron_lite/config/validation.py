@@ -64,7 +64,8 @@ _INT_MINIMUMS = {
     "straggler_minmax_count": 1, "linear_attention_freq": 1, "linear_conv_kernel_dim": 1, "linear_key_head_dim": 1,
     "linear_value_head_dim": 1, "linear_num_key_heads": 1, "linear_num_value_heads": 1,
 }
-_POSITIVE_FLOATS = {"rotary_base", "norm_epsilon", "moe_expert_capacity_factor", "moe_router_topk_scaling_factor",
+_POSITIVE_FLOATS = {"rotary_base", "activation_func_clamp_value", "norm_epsilon", "moe_expert_capacity_factor",
+                    "moe_router_topk_scaling_factor",
                     "moe_router_bias_update_rate", "loss_scale", "initial_loss_scale",
                     "min_loss_scale", "exit_duration_in_mins", "distributed_timeout_minutes", "peak_tflops",
                     "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor"}

@@ -335,7 +335,8 @@ def family_of_model(m: ModelConfig, base_model_type: str | None = None) -> str:
             return "qwen3_next"
         raise ConversionError(f"no Hugging Face model type has this network: qwen3_next (the one with Gated DeltaNet "
                               f"layers) needs {refusal}")
-    plain_norms_and_attention = not (m.apply_layernorm_1p or m.attention_output_gate or m.rotary_percent != 1)
+    plain_norms_and_attention = not (m.apply_layernorm_1p or m.attention_output_gate or m.rotary_percent != 1
+                                     or _gpt_oss_options(m))
     llama_like = (m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope"
                   and m.disable_bias_linear and plain_norms_and_attention)
     gpt2_like = (m.normalization == "LayerNorm" and not m.swiglu and m.position_embedding_type == "learned_absolute"
@@ -452,6 +453,7 @@ def _deepseek_v3_refusal(m: ModelConfig) -> str | None:
     needs = [(m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope", "RMSNorm, SwiGLU and "
               "RoPE"), (m.qk_layernorm, "--qk-layernorm (its latent norms)"),
              (not m.apply_layernorm_1p, "norms without --apply-layernorm-1p"),
+             (not _gpt_oss_options(m), f"none of {', '.join(_gpt_oss_options(m))}"),
              (bool(m.num_experts) and all(pattern[dense:]), "experts in every layer after the first dense ones"),
              (m.moe_router_score_function == "sigmoid" and m.moe_router_enable_expert_bias, "sigmoid routing with "
               "--moe-router-enable-expert-bias"),
@@ -464,9 +466,18 @@ def _deepseek_v3_refusal(m: ModelConfig) -> str | None:
     return ", ".join(missing) if missing else None
 
 
+def _gpt_oss_options(m: ModelConfig) -> list[str]:
+    """The gpt-oss options the model sets, which no family converted here has (the gpt_oss family is not built)."""
+    options = [("--window-size", m.window_size is not None), ("--softmax-type", m.softmax_type != "vanilla"),
+               ("--quick-geglu", m.quick_geglu), ("--glu-linear-offset", bool(m.glu_linear_offset)),
+               ("--activation-func-clamp-value", m.activation_func_clamp_value is not None)]
+    return [flag for flag, given in options if given]
+
+
 def _qwen3_next_refusal(m: ModelConfig) -> str | None:
     """What a model with Gated DeltaNet layers lacks to be a Qwen3-Next, or None."""
-    needs = [(m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope"
+    needs = [(not _gpt_oss_options(m), f"none of {', '.join(_gpt_oss_options(m))}"),
+             (m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope"
               and m.disable_bias_linear and not m.add_qkv_bias, "RMSNorm, SwiGLU, RoPE and no biases"),
              (m.qk_layernorm and m.attention_output_gate and m.apply_layernorm_1p and not m.multi_latent_attention,
               "--qk-layernorm, --attention-output-gate and --apply-layernorm-1p"),

@@ -49,7 +49,7 @@ def training_flops_per_token(config: ModelConfig) -> float:
         attention_weights = mla_projection_weights(config)
         q_dims = config.qk_head_dim + config.qk_pos_emb_head_dim
         attention_square = 2 * s * config.num_attention_heads * (q_dims + config.v_head_dim)
-    mlp_matrices = 3 if config.swiglu else 2
+    mlp_matrices = 3 if config.gated_linear_unit else 2
     dense_mlp = mlp_matrices * h * config.ffn_hidden_size
     moe_mlp = 0
     if config.num_experts:

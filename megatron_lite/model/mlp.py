@@ -12,11 +12,17 @@ from megatron_lite.parallel.state import ParallelState
 
 
 def activation(config: ModelConfig, x: torch.Tensor) -> torch.Tensor:
-    """GELU (exact, or GPT-2's tanh form) on fc1's output, or SwiGLU on its [gate; up] halves."""
-    if config.swiglu:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(x, approximate="tanh" if config.openai_gelu else "none")
+    """GELU (exact, or GPT-2's tanh form) on fc1's output, or a gated unit on its [gate; up] halves: act(gate) x
+    (up + --glu-linear-offset), act SiLU (SwiGLU) or quick GELU (--quick-geglu), the halves first clamped by
+    --activation-func-clamp-value (gate at most it, up within +-it: gpt-oss's clamped SwiGLU)."""
+    if not config.gated_linear_unit:
+        return F.gelu(x, approximate="tanh" if config.openai_gelu else "none")
+    gate, up = x.chunk(2, dim=-1)
+    limit = config.activation_func_clamp_value
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    gated = gate * torch.sigmoid(1.702 * gate) if config.quick_geglu else F.silu(gate)
+    return gated * (up + config.glu_linear_offset) if config.glu_linear_offset else gated * up
 
 
 class MLP(torch.nn.Module):
@@ -29,7 +35,7 @@ class MLP(torch.nn.Module):
         self.config = config
         ffn = config.ffn_hidden_size
         bias = not config.disable_bias_linear
-        chunks = 2 if config.swiglu else 1
+        chunks = 2 if config.gated_linear_unit else 1
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, chunks * ffn, pstate, bias=bias,
                                                sequence_parallel=sequence_parallel, tp_chunks=chunks, fp8=fp8)
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, pstate, bias=bias,

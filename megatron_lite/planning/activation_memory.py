@@ -142,7 +142,7 @@ def layer_bytes(config: Config, moe: bool = False) -> int:
         per_token += e * (nh + 2 * ng) * d  # QKV output
         per_token += e * (nh + ng) * d if m.position_embedding_type == "rope" else e * nh * d
         per_token += e * nh * d + lse
-    widths = 4 if m.swiglu else 2  # fc1 output (2 ffn wide with SwiGLU), the activation's output, the product
+    widths = 4 if m.gated_linear_unit else 2  # fc1 output (2 ffn wide gated), the activation's output, the product
     mlp = moe_mlp_bytes(config) if moe else tokens * e * (h + m.ffn_hidden_size // tp * widths)
     return tokens * per_token + mlp + stream * 2 * _norm_bytes(config, e)
 
@@ -153,7 +153,7 @@ def moe_mlp_bytes(config: Config) -> int:
     m, p = config.model, config.parallel
     e, h, k = param_bytes(config), m.hidden_size, m.moe_router_topk
     tokens, stream = _tokens(config)
-    widths = 4 if m.swiglu else 2
+    widths = 4 if m.gated_linear_unit else 2
     router = FP32 * (h + 2 * m.num_experts + 1) + k * (FP32 + INDEX)  # this rank's tokens (s/tp under SP)
     experts = e * (3 * h + widths * (m.moe_ffn_hidden_size // expert_tensor_parallel_size(config)) + 1) + 3 * INDEX
     total = stream * router + expert_region_tokens(config) * k * experts
@@ -341,7 +341,7 @@ def fp8_gemm_bytes(config: Config) -> int:
     h, d, e = m.hidden_size, m.head_dim, param_bytes(config)
     # (in, out) features of QKV, the attention projection, fc1 and fc2 on one TP rank
     linears = [(h, (m.num_attention_heads + 2 * m.num_query_groups) * d // tp), (m.num_attention_heads * d // tp, h),
-               (h, (2 if m.swiglu else 1) * m.ffn_hidden_size // tp), (m.ffn_hidden_size // tp, h)]
+               (h, (2 if m.gated_linear_unit else 1) * m.ffn_hidden_size // tp), (m.ffn_hidden_size // tp, h)]
     largest = 0
     for k, n in linears:
         operands = [tokens * k, tokens * n, k * n]  # X, dY, W
@@ -362,7 +362,7 @@ def _backward_gradients(config: Config) -> int:
     if m.num_experts:
         experts = m.moe_router_topk * (m.moe_ffn_hidden_size // expert_tensor_parallel_size(config))
         widest = max(widest, expert_region_tokens(config) * experts)
-    return param_bytes(config) * (stream * m.hidden_size + (2 if m.swiglu else 1) * widest)
+    return param_bytes(config) * (stream * m.hidden_size + (2 if m.gated_linear_unit else 1) * widest)
 
 
 def waiting_weight_passes(pp: int, pp_rank: int, micro: int) -> int:
@@ -396,7 +396,7 @@ def weight_pass_bytes(config: Config, chunk) -> int:
         return stream * e * h
     norm = FP32 if m.normalization == "RMSNorm" else e
     d, nh, ng = m.head_dim, m.num_attention_heads // tp, m.num_query_groups // tp
-    gated = 2 if m.swiglu else 1
+    gated = 2 if m.gated_linear_unit else 1
     total = 0
     for layer_number in range(chunk.layer_offset, chunk.layer_offset + chunk.num_layers):
         size = 2 * stream * norm * h  # input and pre-MLP norms

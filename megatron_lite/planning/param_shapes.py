@@ -101,7 +101,7 @@ def layer_numels(config: Config, kind: LayerKind) -> tuple[list[int], list[int]]
             dense += _norm(config, d) * 2
         dense += _linear(h, m.num_attention_heads * d, bias, 1, tp)
     dense += _norm(config, h)
-    chunks = 2 if m.swiglu else 1
+    chunks = 2 if m.gated_linear_unit else 1
     expert = []
     if moe:
         dense.append(_NotMuon(m.num_experts * h))  # the router, replicated

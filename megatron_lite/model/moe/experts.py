@@ -143,7 +143,7 @@ class ExpertMLP(torch.nn.Module):
     def __init__(self, config: ModelConfig, tp_size: int, ffn: int, *, expert: bool):
         super().__init__()
         self.config = config
-        h, chunks = config.hidden_size, 2 if config.swiglu else 1
+        h, chunks = config.hidden_size, 2 if config.gated_linear_unit else 1
         self.linear_fc1 = ExpertLinear(ShardSpec((chunks * ffn, h), tp_dim=0, tp_chunks=chunks, expert=expert),
                                        tp_size)
         self.linear_fc2 = ExpertLinear(ShardSpec((h, ffn), tp_dim=1, init="scaled_normal", expert=expert), tp_size)
