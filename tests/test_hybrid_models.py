@@ -167,3 +167,10 @@ def test_a_hybrid_checkpoint_resumes_bitwise_and_reshards_from_tp2_to_one_rank(t
     assert _train({"load": str(tmp_path / "one")}, 1) == uninterrupted[2:]
     assert run_on_ranks(2, _save_at_tp2, str(tmp_path / "tp2"))[0] == pytest.approx(uninterrupted[:2], rel=1e-5)
     assert _train({"load": str(tmp_path / "tp2")}, 1) == pytest.approx(uninterrupted[2:], rel=1e-5)
+
+
+def test_a_hybrid_model_trains_in_bf16_as_in_fp32_to_bf16_rounding():
+    fp32 = losses_and_norms({**HYBRID, "train_iters": 3}, 1)
+    bf16 = losses_and_norms({**HYBRID, "train_iters": 3, "bf16": True}, 1)
+    for (loss, norm), (ref_loss, ref_norm) in zip(bf16, fp32, strict=True):
+        assert loss == pytest.approx(ref_loss, rel=1e-2) and norm == pytest.approx(ref_norm, rel=5e-2)

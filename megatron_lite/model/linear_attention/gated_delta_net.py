@@ -21,6 +21,9 @@ convolution and the rule over the whole sequence for 1/cp of its key heads, with
 convolution's and the decay's parameters, and a second all-to-all returns its tokens with all heads before the
 output projection. Megatron-Core runs Gated DeltaNet under CP the same way.
 
+In training the rule keeps only its inputs for backward and computes its chunks again there (as fused
+kernels do): its [C, C] intermediates per chunk and head would otherwise outweigh the rest of the layer.
+
 In generation the layer is given its recurrent state (inference/generation.py's LayerRecurrentState): the tokens
 continue the state and the convolution's inputs left by the tokens before, and leave theirs.
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.context_parallel import heads_to_sequence, sequence_to_heads
@@ -68,6 +72,11 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tens
             earlier = earlier * same
         out = out + earlier * weight[:, kernel - 1 - shift]
     return out
+
+
+def _rule_output(q, k, v, g, beta, scale: float, resets, chunk_size: int) -> torch.Tensor:
+    """The delta rule's output alone (training needs no final state), a function for the checkpoint."""
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, resets=resets, chunk_size=chunk_size)[0]
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -118,16 +127,19 @@ class GatedDeltaNet(torch.nn.Module):
         v = v.reshape(s, b, self.value_heads, self.value_dim)
         beta = torch.sigmoid(write.reshape(s, b, self.value_heads).float())
         g = -A_log.float().exp() * F.softplus(decay.reshape(s, b, self.value_heads).float() + dt_bias)
-        initial = None if recurrent_state is None else recurrent_state.state
-        out, state = chunk_gated_delta_rule(*(t.transpose(0, 1) for t in (q, k, v, g, beta)),
-                                            scale=self.key_dim ** -0.5, initial_state=initial,
-                                            resets=None if ids is None else document_starts(ids),
-                                            chunk_size=min(CHUNK_SIZE, s))  # a short input: one chunk
+        rule_inputs = [t.transpose(0, 1) for t in (q, k, v, g, beta)]
+        resets = None if ids is None else document_starts(ids)
+        chunk = min(CHUNK_SIZE, s)  # a short input: one chunk
         if recurrent_state is not None:
-            recurrent_state.state = state
+            out, recurrent_state.state = chunk_gated_delta_rule(*rule_inputs, scale=self.key_dim ** -0.5,
+                                                                initial_state=recurrent_state.state, chunk_size=chunk)
+        elif torch.is_grad_enabled():  # the chunks' [C, C] intermediates are remade in backward, not kept
+            out = checkpoint(_rule_output, *rule_inputs, self.key_dim ** -0.5, resets, chunk, use_reentrant=False)
+        else:
+            out = _rule_output(*rule_inputs, self.key_dim ** -0.5, resets, chunk)
         out = out.transpose(0, 1)  # [s, b, value heads, dv]
         normed = F.rms_norm(out.float(), (self.value_dim,), self.norm_weight.float(), self.eps)
-        gated = normed * F.silu(z.reshape(s, b, self.value_heads, self.value_dim).float()).to(x.dtype)
+        gated = (normed * F.silu(z.reshape(s, b, self.value_heads, self.value_dim).float())).to(x.dtype)
         if self.cp_size > 1:  # back to this rank's tokens, with all its heads
             gated = heads_to_sequence(gated.transpose(0, 1), self.cp_group, self.cp_size).transpose(0, 1)
         return self.out_proj(gated.reshape(*gated.shape[:2], -1))
