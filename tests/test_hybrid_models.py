@@ -174,3 +174,37 @@ def test_a_hybrid_model_trains_in_bf16_as_in_fp32_to_bf16_rounding():
     bf16 = losses_and_norms({**HYBRID, "train_iters": 3, "bf16": True}, 1)
     for (loss, norm), (ref_loss, ref_norm) in zip(bf16, fp32, strict=True):
         assert loss == pytest.approx(ref_loss, rel=1e-2) and norm == pytest.approx(ref_norm, rel=5e-2)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_planned_gated_delta_net_bytes_per_token_are_what_autograd_saves(bf16):
+    """Two sequence lengths cancel what does not grow with it; the layer's input (the norm's output, counted with
+    the layer) and the parameters are left out."""
+    import torch
+
+    from megatron_lite.model.linear_attention.gated_delta_net import GatedDeltaNet
+    from megatron_lite.parallel.state import ParallelState
+    from megatron_lite.planning.activation_memory import gated_delta_net_bytes
+
+    config = make_config({**HYBRID, "bf16": bf16, "linear_value_head_dim": 6})
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    layer = GatedDeltaNet(config.model, ParallelState.single(), sequence_parallel=False)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    layer = layer.to(dtype)
+    measured = []
+    for seq in (128, 256):
+        x = torch.randn(seq, 1, config.model.hidden_size, dtype=dtype, requires_grad=True)
+        skip = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
+        saved = {}
+
+        def pack(tensor, skip=skip, saved=saved):
+            pointer = tensor.untyped_storage().data_ptr()
+            if pointer not in skip:
+                saved[pointer] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            layer(x)
+        measured.append(sum(saved.values()))
+    assert (measured[1] - measured[0]) / 128 == gated_delta_net_bytes(config)

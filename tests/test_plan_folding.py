@@ -21,6 +21,7 @@ import torch
 
 import pretrain_gpt
 from megatron_lite.config.arguments import make_config
+from megatron_lite.config.layer_pattern import LayerKind
 from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.errors import ConfigError
 from megatron_lite.model.moe.layer import MoELayer
@@ -116,7 +117,7 @@ def test_expert_activations_follow_the_expert_region_and_the_expert_split():
              (_config(4, expert_tensor_parallel_size=2, expert_model_parallel_size=2),
               _config(4, expert_model_parallel_size=2), experts(64, 2) - experts(32, 1))]
     for folded, unfolded, difference in pairs:
-        assert layer_bytes(folded, moe=True) - layer_bytes(unfolded, moe=True) == difference
+        assert layer_bytes(folded, LayerKind(moe=True)) - layer_bytes(unfolded, LayerKind(moe=True)) == difference
         assert layer_bytes(folded) == layer_bytes(unfolded)  # a dense layer does not see the experts' split
 
 

@@ -61,13 +61,23 @@ e nh max(dims) instead); the attention output e nh v_head_dim and the log-sum-ex
 kernels save; the CPU's SDPA math path (different query-key and value head sizes) also saves the [s, s]
 probabilities, so tests/test_mla.py checks the formula against the tensors autograd saves with the core attention
 recomputed (selective), which saves only its inputs; the kernels' own saves are not checked.
+
+A Gated DeltaNet layer (model/linear_attention/gated_delta_net.py) saves instead of the attention's, with its rank's
+key and value heads (c = 2 dk nk + dv nv convolution channels): its input projection's input e h; the convolution's
+input, its kernel - 1 shifted copies and its output, 5 e c; what the L2 norms of q and k read (in fp32 the
+convolution's SiLU output, 4 c; else its fp32 copies of q and k) and their 4-byte rsqrt per head; beta, the decay
+and softplus's input and output, 4 x 4 bytes per value head; the delta rule's inputs, which are all it keeps (it
+recomputes its chunks in backward): q and k repeated to the value heads in fp32, and v, e dv nv; the output side's
+fp32 rule output, its contiguous copy, the normalized output, z and SiLU(z) (5 x 4 dv nv), the norm's rsqrt, and the
+output projection's input e dv nv (gated_delta_net_bytes; tests/test_hybrid_models.py checks it against autograd).
+The ZB-H1 weight-pass bytes count such a layer as softmax attention.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config.layer_pattern import is_moe_layer, moe_layer_pattern
+from megatron_lite.config.layer_pattern import LayerKind, is_moe_layer, layer_kind, layer_kinds
 from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.config.sections import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
@@ -127,16 +137,39 @@ def expert_region_tokens(config: Config) -> int:
     return stream * etp if p.sequence_parallel or etp != p.tensor_model_parallel_size else tokens
 
 
-def layer_bytes(config: Config, moe: bool = False) -> int:
-    """Bytes one micro-batch saves in one transformer layer (an MoE layer with `moe`, its MLP's as
-    moe_mlp_bytes) without recomputation."""
+def gated_delta_net_bytes(config: Config) -> int:
+    """Bytes per token a Gated DeltaNet layer saves beyond its input projection's input (module docstring), with
+    its tensor-parallel rank's heads (context parallelism trades tokens for heads: the product is the same)."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    e = param_bytes(config)
+    key_heads, value_heads = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    channels = key_heads * 2 * dk + value_heads * dv
+    convolution = 5 * e * channels  # its input and the kernel - 1 shifted copies, and its output (SiLU's input)
+    query_keys = FP32 * channels if e == FP32 else 2 * FP32 * key_heads * dk  # what the L2 norms read
+    query_keys += 2 * FP32 * key_heads  # their rsqrt
+    decays = 4 * FP32 * value_heads  # beta, g, softplus's input and output
+    rule_inputs = 2 * FP32 * value_heads * dk + e * value_heads * dv  # q and k repeated to the value heads, v
+    output = 5 * FP32 * value_heads * dv + FP32 * value_heads + e * value_heads * dv
+    return convolution + query_keys + decays + rule_inputs + output
+
+
+_DENSE_SOFTMAX = LayerKind()
+
+
+def layer_bytes(config: Config, kind: LayerKind = _DENSE_SOFTMAX) -> int:
+    """Bytes one micro-batch saves in one transformer layer of `kind` (an MoE layer's MLP as moe_mlp_bytes, a
+    Gated DeltaNet's as gated_delta_net_bytes) without recomputation."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     e = param_bytes(config)
     tokens, stream = _tokens(config)
     h, d, nh, ng = m.hidden_size, m.head_dim, m.num_attention_heads // tp, m.num_query_groups // tp
+    moe = kind.moe
     per_token = e * h  # QKV input
     lse = 0 if m.recompute_granularity == "selective" else FP32 * nh
-    if m.multi_latent_attention:
+    if kind.linear_attention:
+        per_token += gated_delta_net_bytes(config)
+    elif m.multi_latent_attention:
         per_token += latent_attention_bytes(config) + lse
     else:
         per_token += e * (nh + 2 * ng) * d  # QKV output
@@ -206,7 +239,7 @@ def mtp_bytes(config: Config) -> int:
     e = param_bytes(config)
     tokens, stream = _tokens(config)
     per_depth = (2 * tokens * INDEX + 2 * stream * _norm_bytes(config, e) + tokens * e * 2 * m.hidden_size
-                 + layer_bytes(config, moe=is_moe_layer(m, m.num_layers)) + head_bytes(config)[0])
+                 + layer_bytes(config, layer_kind(m, m.num_layers)) + head_bytes(config)[0])
     return m.mtp_num_layers * per_depth
 
 
@@ -248,10 +281,10 @@ def _zero_buffers(config: Config, chunks) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class _LayoutTerms:
-    """What every stage of a layout shares: the bytes a dense and an MoE layer save, the head's (saved, transient)
+    """What every stage of a layout shares: the bytes each kind of layer saves, the head's (saved, transient)
     and multi-token prediction's bytes, backward's gradients and FP8's buffers."""
 
-    layers: tuple[int, int]
+    layers: dict[LayerKind, int]
     head: tuple[int, int]
     mtp: int
     backward_gradients: int
@@ -259,8 +292,7 @@ class _LayoutTerms:
 
     @classmethod
     def of(cls, config: Config) -> _LayoutTerms:
-        moe = any(moe_layer_pattern(config.model))
-        return cls((layer_bytes(config), layer_bytes(config, moe=True) if moe else 0), head_bytes(config),
+        return cls({kind: layer_bytes(config, kind) for kind in set(layer_kinds(config.model))}, head_bytes(config),
                    mtp_bytes(config), _backward_gradients(config), fp8_gemm_bytes(config))
 
 
@@ -274,7 +306,7 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
     chunks = model_chunk_plans(config, pp_rank)
     chunk_saved, rebuild = [], 0
     terms = per_config(config, "activation terms", lambda: _LayoutTerms.of(config))
-    pattern = moe_layer_pattern(m)
+    pattern = layer_kinds(m)
     for chunk in chunks:
         recomputed = _recomputed_layers(config, chunk.num_layers)
         layers = [terms.layers[pattern[number]]
