@@ -194,6 +194,22 @@ def train_with_state(values: dict, world_size: int) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # Tensor parallelism: one forward and backward of a whole model on a fixed batch
 
+def saved_bytes(module, x: torch.Tensor, positions, skip: set) -> int:
+    """Bytes of the distinct storages autograd saves in one forward of `module(x, positions)`, but those whose
+    storage pointers are in `skip` (the input, the parameters)."""
+    saved = {}
+
+    def pack(tensor):
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in skip:
+            saved[pointer] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x, positions)
+    return sum(saved.values())
+
+
 def gather_pieces(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     """Every TP rank's tensor, in TP-rank order (the tensors have equal shapes)."""
     return list(mappings.all_gather_dim0(tensor.detach().unsqueeze(0), group).unbind(0))

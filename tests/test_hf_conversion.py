@@ -174,38 +174,50 @@ def _ep2_tp2(cases: dict, ids: torch.Tensor, new_tokens: int) -> dict:
 def test_converted_moe_checkpoints_at_ep2_tp2_give_transformers_logits_and_greedy_ids(converted):
     """Experts split over two expert-parallel ranks and each expert over two TP ranks; every rank runs the same
     prompts through its share of the experts."""
-    from transformers import AutoModelForCausalLM
-
     ids = torch.randint(0, HF_VOCAB, (2, SEQ - 8), generator=torch.Generator().manual_seed(5))
     cases = {family: (converted[family][1], yaml.safe_load(read_text(os.path.join(converted[family][1], "model.yaml"))))
              for family in MOE_FAMILIES}
     per_rank = run_on_ranks(4, _ep2_tp2, cases, ids, 8)
     for family in MOE_FAMILIES:
-        hf_model = AutoModelForCausalLM.from_pretrained(converted[family][0]).eval()
-        tokens = ids
-        with torch.no_grad():
-            reference = hf_model(ids).logits
-            for _ in range(8):
-                tokens = torch.cat([tokens, hf_model(tokens).logits[:, -1:].argmax(-1)], dim=1)
-        for rank, ranks_results in enumerate(per_rank):
-            logits, greedy = ranks_results[family]
-            assert_close_relative(logits, reference, rel=1e-4, msg=f"{family} rank {rank}")
-            assert torch.equal(greedy, tokens[:, ids.shape[1]:]), f"{family} rank {rank}"
+        assert_ranks_give_transformers_logits_and_greedy_ids(per_rank, family, converted[family][0], ids, 8)
+
+
+def assert_ranks_give_transformers_logits_and_greedy_ids(per_rank: list[dict], family: str, hf_dir: str,
+                                                         ids: torch.Tensor, new_tokens: int) -> None:
+    """Every rank's (logits of `ids`, `new_tokens` greedy ids) of `family` (_ep2_tp2's) equal transformers' on
+    `hf_dir`, its greedy ids taken with the sequence recomputed each step as ours are."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    tokens = ids
+    with torch.no_grad():
+        reference = hf_model(ids).logits
+        for _ in range(new_tokens):
+            tokens = torch.cat([tokens, hf_model(tokens).logits[:, -1:].argmax(-1)], dim=1)
+    for rank, ranks_results in enumerate(per_rank):
+        logits, greedy = ranks_results[family]
+        assert_close_relative(logits, reference, rel=1e-4, msg=f"{family} rank {rank}")
+        assert torch.equal(greedy, tokens[:, ids.shape[1]:]), f"{family} rank {rank}"
 
 
 @pytest.mark.parametrize("family", HF_FAMILIES)
 def test_hf_to_mlite_to_hf_is_tensor_identical(converted, family, tmp_path):
     hf_dir, mlite_dir = converted[family]
     convert("--direction", "mlite-to-hf", "--load-dir", mlite_dir, "--save-dir", str(tmp_path / "back"))
-    original = load_file(os.path.join(hf_dir, "model.safetensors"))
-    back = load_file(tmp_path / "back/model.safetensors")
-    assert sorted(original) == sorted(back)
-    for name, tensor in original.items():
-        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert_same_safetensors(hf_dir, str(tmp_path / "back"))
     before, after = read_json(os.path.join(hf_dir, "config.json")), read_json(tmp_path / "back/config.json")
     assert {k: v for k, v in after.items() if k in before and k != "dtype"} == \
            {k: v for k, v in before.items() if k in after and k != "dtype"}
     assert os.path.exists(tmp_path / "back/generation_config.json")
+
+
+def assert_same_safetensors(hf_dir: str, other_dir: str) -> None:
+    """The two directories' model.safetensors hold the same names, dtypes and values."""
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    back = load_file(os.path.join(other_dir, "model.safetensors"))
+    assert sorted(original) == sorted(back)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
 
 
 def test_sharded_export_loads_in_transformers_and_converts_back(converted, tmp_path):

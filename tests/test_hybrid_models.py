@@ -14,7 +14,14 @@ from megatron_lite.config.arguments import make_config
 from megatron_lite.config.layer_pattern import linear_attention_pattern
 from megatron_lite.errors import ConfigError
 from tests.harness import run_on_ranks
-from tests.helpers import TINY_2_LAYERS, assert_run_matches, losses_and_norms, reference, train_and_collect
+from tests.helpers import (
+    TINY_2_LAYERS,
+    assert_run_matches,
+    losses_and_norms,
+    reference,
+    saved_bytes,
+    train_and_collect,
+)
 from tests.test_window_and_sinks import GPT_OSS_LIKE
 
 LINEAR = {"experimental_attention_variant": "gated_delta_net", "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -196,15 +203,5 @@ def test_the_planned_gated_delta_net_bytes_per_token_are_what_autograd_saves(bf1
     for seq in (128, 256):
         x = torch.randn(seq, 1, config.model.hidden_size, dtype=dtype, requires_grad=True)
         skip = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
-        saved = {}
-
-        def pack(tensor, skip=skip, saved=saved):
-            pointer = tensor.untyped_storage().data_ptr()
-            if pointer not in skip:
-                saved[pointer] = tensor.untyped_storage().nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            layer(x)
-        measured.append(sum(saved.values()))
+        measured.append(saved_bytes(layer, x, None, skip))
     assert (measured[1] - measured[0]) / 128 == gated_delta_net_bytes(config)

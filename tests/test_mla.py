@@ -24,7 +24,7 @@ from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.planning.activation_memory import latent_attention_bytes
 from tests.harness import run_on_ranks
-from tests.helpers import SMALL, TINY_2_LAYERS, forward_backward, reference, train_and_collect
+from tests.helpers import SMALL, TINY_2_LAYERS, forward_backward, reference, saved_bytes, train_and_collect
 from tests.helpers import assert_run_matches as assert_training_matches
 from tests.tolerances import assert_close_relative
 
@@ -137,21 +137,6 @@ def test_flops_per_token_are_the_matmuls_torch_counts():
         assert training_flops_per_token(m) == pytest.approx(counted, rel=1e-12)
 
 
-def _saved_bytes(attention, x, positions, skip: set) -> int:
-    """Bytes of the distinct storages autograd saves in one forward of `attention`, but those in `skip`."""
-    saved = {}
-
-    def pack(tensor):
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer not in skip:
-            saved[pointer] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        attention(x, positions)
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("values", [MLA, NO_Q_LATENT], ids=["q_latent", "no_q_latent"])
 def test_planned_activation_bytes_per_token_are_what_autograd_saves(values, bf16):
@@ -167,7 +152,7 @@ def test_planned_activation_bytes_per_token_are_what_autograd_saves(values, bf16
         x = torch.randn(seq, 2, config.model.hidden_size, dtype=dtype, requires_grad=True)
         positions = model.rotary(torch.arange(seq))
         skip = {t.untyped_storage().data_ptr() for t in (x, positions.cos, positions.sin, *model.parameters())}
-        measured.append(_saved_bytes(attention, x, positions, skip))
+        measured.append(saved_bytes(attention, x, positions, skip))
     assert (measured[1] - measured[0]) / (16 * 2) == latent_attention_bytes(config)
 
 

@@ -11,11 +11,18 @@ import os
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from tests.harness import run_on_ranks
 from tests.helpers import HF_VOCAB, convert, perturb_biases_and_norms
-from tests.test_hf_conversion import _ep2_tp2, _tp2_pp2, hf_logits, our_logits, read_text
+from tests.test_hf_conversion import (
+    _ep2_tp2,
+    _tp2_pp2,
+    assert_ranks_give_transformers_logits_and_greedy_ids,
+    assert_same_safetensors,
+    hf_logits,
+    our_logits,
+    read_text,
+)
 from tests.tolerances import assert_close_relative
 
 FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -99,31 +106,17 @@ def test_the_converted_model_at_tp2_pp2_gives_transformers_logits_and_loss(conve
 
 
 def test_the_converted_model_at_ep2_tp2_gives_transformers_logits_and_greedy_ids(converted):
-    from transformers import AutoModelForCausalLM
-
     hf_dir, mlite_dir = converted
     ids = torch.randint(0, HF_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
     per_rank = run_on_ranks(4, _ep2_tp2, _cases(mlite_dir), ids, 6)
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    with torch.no_grad():
-        reference, tokens = hf_model(ids).logits, ids
-        for _ in range(6):
-            tokens = torch.cat([tokens, hf_model(tokens).logits[:, -1:].argmax(-1)], dim=1)
-    for rank, results in enumerate(per_rank):
-        logits, greedy = results["qwen3_next"]
-        assert_close_relative(logits, reference, rel=1e-4, msg=f"rank {rank}")
-        assert torch.equal(greedy, tokens[:, ids.shape[1]:]), f"rank {rank}"
+    assert_ranks_give_transformers_logits_and_greedy_ids(per_rank, "qwen3_next", hf_dir, ids, 6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_to_mlite_to_hf_is_tensor_identical(models, family, tmp_path):
     hf_dir, mlite_dir = models[family]
     convert("--direction", "mlite-to-hf", "--load-dir", mlite_dir, "--save-dir", str(tmp_path / "back"))
-    original = load_file(os.path.join(hf_dir, "model.safetensors"))
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert original.keys() == back.keys()
-    for name, tensor in original.items():
-        assert torch.equal(back[name], tensor), name
+    assert_same_safetensors(hf_dir, str(tmp_path / "back"))
     ids = torch.randint(0, HF_VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))
     assert torch.equal(hf_logits(str(tmp_path / "back"), ids), hf_logits(hf_dir, ids))  # its config.json too
 

@@ -16,7 +16,7 @@ from megatron_lite.config.layer_pattern import window_attention_pattern
 from megatron_lite.errors import ConfigError
 from megatron_lite.model.attention.window_and_sinks import window_sink_attention
 from tests.harness import run_on_ranks
-from tests.helpers import TINY_2_LAYERS, assert_run_matches, train_and_collect
+from tests.helpers import TINY_2_LAYERS, assert_run_matches, join_shards, train_and_collect
 from tests.tolerances import assert_close_relative
 
 
@@ -85,14 +85,8 @@ def test_windows_and_sinks_train_as_one_process_at_tp2_and_pp2():
     per_rank = run_on_ranks(2, _train_layouts)
     for name in ("tp2_sp", "pp2"):
         assert_run_matches([runs[name] for runs in per_rank], expected, rel=1e-5, tensor_rel=1e-4)
-    sink_grads = [tensor for (name, _), tensor in _joined_grads(expected).items() if name.endswith("sinks")]
+    sink_grads = [tensor for (name, _), tensor in join_shards([expected[2]]).items() if name.endswith("sinks")]
     assert len(sink_grads) == 4 and all(grad.abs().max() > 0 for grad in sink_grads)
-
-
-def _joined_grads(run) -> dict:
-    from tests.helpers import join_shards
-
-    return join_shards([run[2]])
 
 
 def test_cached_decoding_with_windows_and_sinks_equals_the_full_forward():

@@ -7,9 +7,10 @@ layers, then 58 MoE layers, DeepSeek-V3's stack). --linear-attention-freq takes 
 meaning N - 1 linear-attention layers then one softmax-attention layer, repeated (Qwen3-Next: 4), a list 1 for
 a linear-attention layer and 0 for softmax attention. Megatron evaluates the expression with eval after a
 character filter; here it is parsed into a syntax tree of which only integer literals, lists of them, + and *
-are evaluated, so no other code can run. Every part of the package that needs to know a layer's kind (the
-model builder, the planner, the FLOP count, the Hugging Face conversion) asks `moe_layer_pattern` and
-`linear_attention_pattern`.
+are evaluated, so no other code can run. --window-attn-skip-freq reads as --linear-attention-freq does (1 for a
+windowed layer). Every part of the package that needs to know a layer's kind (the model builder, the planner, the
+FLOP count, the Hugging Face conversion) asks `moe_layer_pattern` and `linear_attention_pattern`, or
+`layer_kinds`.
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ def parse_moe_layer_freq(value, num_layers: int) -> list[bool]:
     return [item == 1 for item in value]
 
 
-def parse_linear_attention_freq(value, num_layers: int) -> list[bool]:
-    """--linear-attention-freq -> one bool per layer, True for a linear-attention layer: N - 1 of them before each
-    N-th layer, which is softmax attention, or 1 in a list."""
+def parse_interleaved_freq(value, num_layers: int) -> list[bool]:
+    """--linear-attention-freq or --window-attn-skip-freq -> one bool per layer, True for a layer of the flag's kind
+    (linear attention, a window): N - 1 of them before each N-th layer, which is not, or 1 in a list."""
     value = _read_pattern(value, num_layers)
     if isinstance(value, int):
         return [(layer + 1) % value != 0 for layer in range(num_layers)]
@@ -102,24 +103,33 @@ def moe_layer_pattern(config: ModelConfig) -> list[bool]:
     --num-experts)."""
     if not config.num_experts:
         return [False] * config.num_layers
-    freq = config.moe_layer_freq
+    return _pattern(config.moe_layer_freq, config.num_layers, parse_moe_layer_freq)
+
+
+def _pattern(freq, num_layers: int, parse) -> list[bool]:
+    """`parse(freq, num_layers)`, an integer or expression read once (the planner asks once per layer and
+    layout)."""
     if isinstance(freq, list):
-        return parse_moe_layer_freq(freq, config.num_layers)
-    return list(_parsed(freq, config.num_layers))
+        return parse(freq, num_layers)
+    return list(_parsed(freq, num_layers, parse))
 
 
 @functools.lru_cache(maxsize=64)
-def _parsed(freq: int | str, num_layers: int, parse=parse_moe_layer_freq) -> tuple[bool, ...]:
-    """The planner asks once per layer and layout: each expression is read once."""
+def _parsed(freq: int | str, num_layers: int, parse) -> tuple[bool, ...]:
     return tuple(parse(freq, num_layers))
+
+
+def _of_layer(pattern: list[bool], layer_number: int) -> bool:
+    """The pattern's entry for global layer `layer_number`; a multi-token prediction layer (numbered after the
+    decoder's) takes the last decoder layer's."""
+    return pattern[min(layer_number, len(pattern) - 1)]
 
 
 def is_moe_layer(config: ModelConfig, layer_number: int) -> bool:
     """Whether global layer `layer_number` (0-based) is an MoE layer. A multi-token prediction layer (numbered
     after the decoder's, model/mtp.py) is of the last decoder layer's kind, as Megatron builds it: DeepSeek-V3's
     is an MoE layer."""
-    pattern = moe_layer_pattern(config)
-    return pattern[min(layer_number, len(pattern) - 1)]
+    return _of_layer(moe_layer_pattern(config), layer_number)
 
 
 def linear_attention_pattern(config: ModelConfig) -> list[bool]:
@@ -127,10 +137,7 @@ def linear_attention_pattern(config: ModelConfig) -> list[bool]:
     (--experimental-attention-variant) instead of softmax attention; all False without the variant."""
     if config.experimental_attention_variant is None:
         return [False] * config.num_layers
-    freq = config.linear_attention_freq
-    if isinstance(freq, list):
-        return parse_linear_attention_freq(freq, config.num_layers)
-    return list(_parsed(freq, config.num_layers, parse_linear_attention_freq))
+    return _pattern(config.linear_attention_freq, config.num_layers, parse_interleaved_freq)
 
 
 def window_attention_pattern(config: ModelConfig) -> list[bool]:
@@ -139,25 +146,20 @@ def window_attention_pattern(config: ModelConfig) -> list[bool]:
     without it; all False without a window."""
     if config.window_size is None:
         return [False] * config.num_layers
-    freq = config.window_attn_skip_freq
-    if freq is None:
+    if config.window_attn_skip_freq is None:
         return [True] * config.num_layers
-    if isinstance(freq, list):
-        return parse_linear_attention_freq(freq, config.num_layers)
-    return list(_parsed(freq, config.num_layers, parse_linear_attention_freq))
+    return _pattern(config.window_attn_skip_freq, config.num_layers, parse_interleaved_freq)
 
 
 def attention_window(config: ModelConfig, layer_number: int) -> int | None:
     """The window (keys before the query) of global layer `layer_number`'s softmax attention, None for full."""
-    pattern = window_attention_pattern(config)
-    return config.window_size[0] if pattern[min(layer_number, len(pattern) - 1)] else None
+    return config.window_size[0] if _of_layer(window_attention_pattern(config), layer_number) else None
 
 
 def is_linear_attention_layer(config: ModelConfig, layer_number: int) -> bool:
     """Whether global layer `layer_number` (0-based) is a linear-attention layer; a multi-token prediction layer
     is of the last decoder layer's kind."""
-    pattern = linear_attention_pattern(config)
-    return pattern[min(layer_number, len(pattern) - 1)]
+    return _of_layer(linear_attention_pattern(config), layer_number)
 
 
 class LayerKind(NamedTuple):
@@ -184,9 +186,9 @@ def layer_pattern_problems(config: ModelConfig) -> list[str]:
     for flag, active, value, parse in (
             ("--moe-layer-freq", config.num_experts, config.moe_layer_freq, parse_moe_layer_freq),
             ("--linear-attention-freq", config.experimental_attention_variant, config.linear_attention_freq,
-             parse_linear_attention_freq),
+             parse_interleaved_freq),
             ("--window-attn-skip-freq", config.window_attn_skip_freq is not None, config.window_attn_skip_freq,
-             parse_linear_attention_freq)):
+             parse_interleaved_freq)):
         try:
             if active:
                 parse(value, config.num_layers)

@@ -233,6 +233,11 @@ def _layer_list(flags: list[bool]) -> str:
     return "[" + ",".join(str(int(flag)) for flag in flags) + "]"
 
 
+# Gated DeltaNet's shapes: the same keys in config.json as the flags
+_LINEAR_ATTENTION_KEYS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                          "linear_num_key_heads", "linear_num_value_heads")
+
+
 def _qwen3_next_layers(hf: dict) -> tuple[list[bool], list[bool]]:
     """(linear attention, MoE) of each layer of a Qwen3-Next: `layer_types` (else every full_attention_interval-th
     layer softmax attention), and experts where num_experts > 0, outside mlp_only_layers, every
@@ -264,9 +269,7 @@ def _qwen3_next_values(hf: dict) -> dict:
     values = {**_llama_values(hf), "qk_layernorm": True, "attention_output_gate": True, "apply_layernorm_1p": True,
               "rotary_percent": float(parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
               "experimental_attention_variant": "gated_delta_net", "linear_attention_freq": _layer_list(linear),
-              **{key: _get(hf, key) for key in ("linear_conv_kernel_dim", "linear_key_head_dim",
-                                                "linear_value_head_dim", "linear_num_key_heads",
-                                                "linear_num_value_heads")}}
+              **{key: _get(hf, key) for key in _LINEAR_ATTENTION_KEYS}}
     if any(moe):
         values.update(num_experts=_get(hf, "num_experts"), moe_router_topk=_get(hf, "num_experts_per_tok"),
                       moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), moe_layer_freq=_layer_list(moe),
@@ -289,8 +292,7 @@ _INTEGER_KEYS = (*_DEEPSEEK_INTEGER_KEYS, "hidden_size", "num_attention_heads", 
                  "num_key_value_heads", "max_position_embeddings", "vocab_size", "num_local_experts", "num_experts",
                  "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                  "decoder_sparse_step", "sliding_window", "n_embd", "n_positions", "n_layer", "n_head", "n_inner",
-                 "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                 "linear_num_key_heads", "linear_num_value_heads")
+                 "full_attention_interval", *_LINEAR_ATTENTION_KEYS)
 _NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "initializer_range", "attention_dropout", "router_aux_loss_coef",
                 "layer_norm_epsilon", "resid_pdrop", "attn_pdrop", "partial_rotary_factor", *_LLAMA3_ROPE_FLAGS,
                 *_DEEPSEEK_NUMBER_KEYS)
@@ -492,38 +494,32 @@ def _qwen3_next_refusal(m: ModelConfig) -> str | None:
     return ", ".join(missing) if missing else None
 
 
-def _qwen3_next_config(m: ModelConfig, model_type: str = "qwen3_next") -> dict:
+def _hybrid_config(m: ModelConfig, model_type: str, architecture: str) -> dict:
+    """What Qwen3-Next's and Qwen3.5's config.json share: a Llama's keys, partial RoPE, each layer's kind and the
+    Gated DeltaNet shapes."""
     config = _llama_config(m)
     del config["mlp_bias"]
-    if model_type in QWEN3_5:
-        return _qwen3_5_config(m, config, model_type)
+    return {**config, "architectures": [architecture], "model_type": model_type,
+            "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": m.rotary_percent},
+            "layer_types": ["linear_attention" if linear else "full_attention"
+                            for linear in linear_attention_pattern(m)],
+            **{key: getattr(m, key) for key in _LINEAR_ATTENTION_KEYS}}
+
+
+def _qwen3_next_config(m: ModelConfig) -> dict:
     moe = moe_layer_pattern(m)
-    types = ["linear_attention" if linear else "full_attention" for linear in linear_attention_pattern(m)]
-    rope = {**config["rope_parameters"], "partial_rotary_factor": m.rotary_percent}
-    return {**config, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "rope_parameters": rope,
-            "partial_rotary_factor": m.rotary_percent,
-            "layer_types": types,
-            "linear_conv_kernel_dim": m.linear_conv_kernel_dim, "linear_key_head_dim": m.linear_key_head_dim,
-            "linear_value_head_dim": m.linear_value_head_dim, "linear_num_key_heads": m.linear_num_key_heads,
-            "linear_num_value_heads": m.linear_num_value_heads, "num_experts": m.num_experts or 0,
-            "num_experts_per_tok": m.moe_router_topk,
+    return {**_hybrid_config(m, "qwen3_next", "Qwen3NextForCausalLM"), "partial_rotary_factor": m.rotary_percent,
+            "num_experts": m.num_experts or 0, "num_experts_per_tok": m.moe_router_topk,
             "moe_intermediate_size": m.moe_ffn_hidden_size or m.ffn_hidden_size,
             "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size or 0,
             "norm_topk_prob": not m.moe_router_pre_softmax, "router_aux_loss_coef": m.moe_aux_loss_coeff,
             "decoder_sparse_step": 1, "mlp_only_layers": [i for i, is_moe in enumerate(moe) if not is_moe]}
 
 
-def _qwen3_5_config(m: ModelConfig, config: dict, model_type: str) -> dict:
-    rope = {**config["rope_parameters"], "partial_rotary_factor": m.rotary_percent}
-    config = {**config, "architectures": ["Qwen3_5ForCausalLM" if model_type == "qwen3_5_text" else
-                                          "Qwen3_5MoeForCausalLM"], "model_type": model_type, "rope_parameters": rope,
-              "layer_types": ["linear_attention" if linear else "full_attention"
-                              for linear in linear_attention_pattern(m)],
-              **{key: getattr(m, key) for key in ("linear_conv_kernel_dim", "linear_key_head_dim",
-                                                  "linear_value_head_dim", "linear_num_key_heads",
-                                                  "linear_num_value_heads")}}
+def _qwen3_5_config(m: ModelConfig, model_type: str) -> dict:
     if model_type == "qwen3_5_text":
-        return config
+        return _hybrid_config(m, model_type, "Qwen3_5ForCausalLM")
+    config = _hybrid_config(m, model_type, "Qwen3_5MoeForCausalLM")
     del config["intermediate_size"]
     return {**config, "num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
             "moe_intermediate_size": m.moe_ffn_hidden_size,
@@ -563,7 +559,7 @@ _TO_HF = {"llama": _llama_config, "qwen2": lambda m: _qwen_config(m, "qwen2", "Q
           "qwen3_moe": lambda m: _qwen_moe_config(m, "qwen3_moe", "Qwen3MoeForCausalLM"),
           "qwen2_moe": lambda m: _qwen_moe_config(m, "qwen2_moe", "Qwen2MoeForCausalLM"),
           "deepseek_v3": _deepseek_v3_config, "qwen3_next": _qwen3_next_config,
-          **{model_type: lambda m, t=model_type: _qwen3_next_config(m, t) for model_type in QWEN3_5}}
+          **{model_type: lambda m, t=model_type: _qwen3_5_config(m, t) for model_type in QWEN3_5}}
 
 
 def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
