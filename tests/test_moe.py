@@ -384,7 +384,8 @@ def test_local_experts_carry_global_names_and_single_device_weights():
     ({"expert_model_parallel_size": 4, "tensor_model_parallel_size": 2}, 4,
      "expert-tensor-parallel-size x expert-model-parallel-size (2 x 4 = 8) must divide tensor x context x "
      "data-parallel size (2 x 1 x 2 = 4)"),
-    ({"disable_bias_linear": False}, 1, "MoE experts have no biases: pass --disable-bias-linear"),
+    ({"disable_bias_linear": False, "moe_shared_expert_intermediate_size": 32}, 1,
+     "the shared expert has no biases: pass --disable-bias-linear with --moe-shared-expert-intermediate-size"),
     ({"moe_expert_capacity_factor": 0.0}, 1, "moe-expert-capacity-factor (0.0) must be positive"),
     ({"moe_ffn_hidden_size": 50, "tensor_model_parallel_size": 4}, 4,
      "moe-ffn-hidden-size (50) must be divisible by expert-tensor-parallel-size (4)"),

@@ -33,7 +33,7 @@ _CHOICES = {
     "experimental_attention_variant": ["gated_delta_net"],
     "softmax_type": ["vanilla", "learnable", "off-by-one"],
     "normalization": ["LayerNorm", "RMSNorm"],
-    "position_embedding_type": ["learned_absolute", "rope"],
+    "position_embedding_type": ["learned_absolute", "rope", "yarn"],
     "moe_token_dispatcher_type": ["alltoall", "allgather"],
     "moe_router_score_function": ["softmax", "sigmoid"],
     "moe_router_load_balancing_type": ["aux_loss", "seq_aux_loss", "none"],

@@ -52,6 +52,9 @@ class AttentionVariantsConfig:
     activation_func_clamp_value: float | None = None
     """with --swiglu or --quick-geglu: the gate clamped to at most this and the up half to +-this before the
     activation (gpt-oss: 7); unset: no clamp"""
+    yarn_correction_range_round_to_int: bool = True
+    """with YaRN (--position-embedding-type yarn, or --multi-latent-attention): round the band of blended
+    frequencies outwards to whole indices (DeepSeek-V3); gpt-oss trains with --no-yarn-correction-range-round-to-int"""
     softmax_type: str = "vanilla"
     """vanilla: plain softmax; learnable: one more learned logit per head in every softmax denominator, an
     attention sink without a value (gpt-oss); off-by-one: that logit fixed at 0"""

@@ -63,6 +63,19 @@ class Excludes:
         return settings[self.flag] in (None, False, [])
 
 
+@dataclass(frozen=True)
+class AnyOf:
+    """The flag acts when any of `conditions` holds."""
+
+    conditions: tuple[Needs, ...]
+
+    def holds(self, settings: dict) -> bool:
+        return any(condition.holds(settings) for condition in self.conditions)
+
+    def says(self) -> str:
+        return " or ".join(condition.says() for condition in self.conditions)
+
+
 def needs(*flags: str, values: tuple = (), above: int | None = None, says: str = "") -> Needs:
     return Needs(flags, values, above, says)
 
@@ -71,6 +84,8 @@ _SHARDED = needs("data_parallel_sharding_strategy", values=("optim", "optim_grad
                  says="--use-distributed-optimizer (or a --data-parallel-sharding-strategy other than no_shard)")
 _MOE = needs("num_experts")
 _MLA = needs("multi_latent_attention")
+_ROTARY = needs("position_embedding_type", values=("rope", "yarn"))
+_YARN = AnyOf((_MLA, needs("position_embedding_type", values=("yarn",))))
 _LINEAR_ATTENTION = needs("experimental_attention_variant")
 _FP8 = needs("fp8_format")
 _PP = needs("pipeline_model_parallel_size", above=1)
@@ -86,23 +101,23 @@ _LOAD = needs("load")
 _SAVE = needs("save")
 _CORPUS = Excludes("mock_data")
 
-RULES: dict[str, tuple[Needs | Excludes, ...]] = {
+RULES: dict[str, tuple[Needs | AnyOf | Excludes, ...]] = {
     # model
     "num_query_groups": (needs("group_query_attention"),),
     "openai_gelu": (Excludes("swiglu"),),
     "quick_geglu": (Excludes("swiglu"),),
     **{name: (needs("swiglu", "quick_geglu"),) for name in ("glu_linear_offset", "activation_func_clamp_value")},
-    "rotary_base": (needs("position_embedding_type", values=("rope",)),),
+    "rotary_base": (_ROTARY,),
     "add_qkv_bias": (needs("disable_bias_linear"),),
     "use_rope_scaling": (needs("position_embedding_type", values=("rope",)),),
-    "rotary_percent": (needs("position_embedding_type", values=("rope",)),),
+    "rotary_percent": (_ROTARY,),
     "rope_scaling_factor": (_ROPE_SCALING,),
     "rope_scaling_low_freq_factor": (_ROPE_SCALING,),
     "rope_scaling_high_freq_factor": (_ROPE_SCALING,),
     "rope_scaling_original_max_position_embeddings": (_ROPE_SCALING,),
-    **{name: (_MLA,) for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-                                  "rotary_scaling_factor", "mscale", "mscale_all_dim",
-                                  "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow")},
+    **{name: (_MLA,) for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")},
+    **{name: (_YARN,) for name in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
+                                   "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow")},
     **{name: (_MOE,) for name in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                                   "moe_expert_capacity_factor", "moe_layer_freq", "moe_token_dispatcher_type",
                                   "moe_router_score_function", "moe_router_topk_scaling_factor",
@@ -211,6 +226,8 @@ STANDS_ALONE = frozenset({
     "reset_attention_mask", "eod_mask_loss",
     "micro_batch_size", "global_batch_size", "train_samples", "eval_interval", "eval_iters", "eval_tasks",
     "calculate_per_token_loss",
+    # --no-yarn-correction-range-round-to-int changes nothing without YaRN, and its default is on
+    "yarn_correction_range_round_to_int",
     "seed", "device", "exit_signal_handler", "exit_interval", "exit_duration_in_mins", "distributed_timeout_minutes",
     "hang_timeout_seconds",
     "rerun_mode", "check_for_spiky_loss", "check_for_large_grads", "result_rejected_tracker_filename",

@@ -59,4 +59,6 @@ def mla_problems(config: Config) -> list[str]:
     problems = layer_pattern_problems(m)
     if m.multi_latent_attention:
         return problems + _attention_problems(m) + _yarn_problems(m)
+    if m.position_embedding_type == "yarn":
+        return problems + _yarn_problems(m)
     return problems

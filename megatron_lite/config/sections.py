@@ -41,7 +41,7 @@ class ModelConfig(AttentionVariantsConfig):
     """GPT-2's tanh approximation of GELU instead of the exact erf form"""
     position_embedding_type: str = "learned_absolute"
     """learned_absolute: a learned table added to the embeddings (GPT-2); rope: rotary embeddings of queries and keys
-    (Llama)"""
+    (Llama); yarn: rotary embeddings with YaRN's scaling (--rotary-scaling-factor and the --yarn-* flags; gpt-oss)"""
     rotary_base: float = 10000.0
     """base of RoPE's frequencies (Llama 3: 500000)"""
     kv_channels: int | None = None
@@ -78,17 +78,17 @@ class ModelConfig(AttentionVariantsConfig):
     v_head_dim: int = 128
     """with --multi-latent-attention: value dimensions per head"""
     rotary_scaling_factor: float = 1.0
-    """with --multi-latent-attention: YaRN's context stretch (DeepSeek-V3: 40); 1: plain RoPE"""
+    """with YaRN: YaRN's context stretch (DeepSeek-V3: 40); 1: plain RoPE"""
     mscale: float = 1.0
-    """with --multi-latent-attention: YaRN's mscale of the rotated query/key dimensions"""
+    """with YaRN: YaRN's mscale of the rotated query/key dimensions"""
     mscale_all_dim: float = 0.0
-    """with --multi-latent-attention: YaRN's mscale of all dimensions, which also scales the softmax"""
+    """with YaRN: YaRN's mscale of all dimensions, which also scales the softmax"""
     yarn_original_max_position_embeddings: int = 4096
-    """with --multi-latent-attention: the context length before YaRN's stretch"""
+    """with YaRN: the context length before YaRN's stretch"""
     yarn_beta_fast: float = 32.0
-    """with --multi-latent-attention: YaRN keeps frequencies turning more often than this over the original context"""
+    """with YaRN: YaRN keeps frequencies turning more often than this over the original context"""
     yarn_beta_slow: float = 1.0
-    """with --multi-latent-attention: YaRN stretches frequencies turning less often than this over it"""
+    """with YaRN: YaRN stretches frequencies turning less often than this over it"""
     untie_embeddings_and_output_weights: bool = False
     """an output layer of its own instead of the transposed input embedding table (Llama 3 8B; GPT-2 and Llama 3.2 1B
     tie them)"""

@@ -238,15 +238,16 @@ def _model_problems(config: Config) -> list[str]:
         problems.append(f"seq-length ({m.seq_length}) exceeds max-position-embeddings "
                         f"({m.max_position_embeddings}) with learned positions; raise "
                         f"--max-position-embeddings or shorten --seq-length")
-    if m.position_embedding_type == "rope" and m.head_dim % 2:
+    if m.position_embedding_type in ("rope", "yarn") and m.head_dim % 2:
         problems.append(f"rope needs an even head dimension, got {m.head_dim}")
     problems += _rope_scaling_problems(m)
     if m.num_experts:
         if m.moe_router_topk > m.num_experts:
             problems.append(f"moe-router-topk ({m.moe_router_topk}) must not exceed num-experts "
                             f"({m.num_experts})")
-        if not m.disable_bias_linear:
-            problems.append("MoE experts have no biases: pass --disable-bias-linear with --num-experts")
+        if not m.disable_bias_linear and m.moe_shared_expert_intermediate_size:
+            problems.append("the shared expert has no biases: pass --disable-bias-linear with "
+                            "--moe-shared-expert-intermediate-size")
         problems += _router_problems(m)
     if m.recompute_method is not None and m.recompute_num_layers is None:
         problems.append(f"--recompute-method {m.recompute_method} needs --recompute-num-layers")

@@ -160,4 +160,6 @@ def model_flags(m: ModelConfig) -> dict:
     """pretrain_gpt.py model flags (YAML keys for --config) that rebuild this network: those that act in it (a
     flag that would not, such as the MLA sizes of a Llama, is refused on the command line)."""
     names = [f.name for f in dataclasses.fields(m) if f.name not in _RUN_CHOICES]
-    return {name: getattr(m, name) for name in acting_flags(Config(model=m), names)}
+    flags = {name: getattr(m, name) for name in acting_flags(Config(model=m), names)}
+    switched_off = [f.name for f in dataclasses.fields(m) if f.default is True and getattr(m, f.name) is False]
+    return {**flags, **dict.fromkeys(switched_off, False)}  # --no-<flag>, which acting_flags counts as not given

@@ -1,5 +1,6 @@
 """Hugging Face config.json <-> megatron_lite model flags, for the llama, qwen2, qwen3, gpt2, mixtral, qwen3_moe,
-qwen2_moe, deepseek_v3 and qwen3_next families.
+qwen2_moe, deepseek_v3, qwen3_next, qwen3_5 (text) and gpt_oss families (gpt-oss's own mapping in gpt_oss.py, what
+Llama-derived families share in llama_config.py).
 
 A config.json becomes the values of pretrain_gpt.py's model flags (ModelConfig field names); a ModelConfig
 becomes a config.json that `transformers.AutoModelForCausalLM.from_pretrained` reads. Qwen2 is a Llama with a
@@ -13,8 +14,8 @@ layers and sigmoid-routed experts with an expert bias and a shared expert; its l
 logits by about 1e-6 of their scale). Qwen3-Next interleaves Gated DeltaNet layers (layer_types) with Qwen3
 attention gated per head (--attention-output-gate) and partly rotated (--rotary-percent), its norms zero-centred
 (--apply-layernorm-1p), and Qwen2-MoE's experts. Variants our model cannot reproduce exactly (other RoPE
-scalings, attention or MLP biases in Llama, sliding windows, GPT-2's per-layer attention scaling) are refused with
-one line rather than converted into a different network.
+scalings, attention or MLP biases in Llama, sliding windows outside gpt-oss, GPT-2's per-layer attention scaling) are
+refused with one line rather than converted into a different network.
 """
 
 from __future__ import annotations
@@ -25,17 +26,22 @@ import torch
 
 from megatron_lite.config.layer_pattern import linear_attention_pattern, moe_layer_pattern
 from megatron_lite.config.sections import ModelConfig
-from megatron_lite.errors import UserError
 from megatron_lite.files import is_a
+from megatron_lite.hf.gpt_oss import gpt_oss_config, gpt_oss_refusal, gpt_oss_values
+from megatron_lite.hf.llama_config import (
+    LLAMA3_ROPE_FLAGS,
+    ConversionError,
+    llama_config,
+    llama_values,
+    refuse,
+    required,
+    yarn_values,
+)
 from megatron_lite.model.attention.yarn import YarnScaling, yarn_mscale
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3",
-                         "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+                         "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss")
 QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text")  # Qwen3-Next's network, the linear projections stored apart
-
-
-class ConversionError(UserError, ValueError):
-    """A checkpoint cannot be converted as asked; the message is one line saying what is wrong."""
 
 
 def family_of_hf(hf: dict) -> str:
@@ -47,93 +53,43 @@ def family_of_hf(hf: dict) -> str:
     return model_type
 
 
-def _get(hf: dict, key: str):
-    if hf.get(key) is None:
-        raise ConversionError(f"config.json has no '{key}' (model_type {hf.get('model_type')})")
-    return hf[key]
-
-
-def _refuse(condition: bool, what: str) -> None:
-    if condition:
-        raise ConversionError(f"{what} is not supported by megatron_lite; this checkpoint cannot be converted exactly")
-
-
-# rope_type "llama3" keys -> our flags
-_LLAMA3_ROPE_FLAGS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
-                      "high_freq_factor": "rope_scaling_high_freq_factor",
-                      "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
-
-
-def _rope_values(hf: dict) -> dict:
-    """--rotary-base and Llama 3.1's scaling from transformers 5's `rope_parameters` or the older `rope_theta` and
-    `rope_scaling` keys (`rope_scaling` wins where both are given); plain RoPE or rope_type "llama3" only."""
-    parameters = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
-    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
-    _refuse(rope_type not in ("default", "llama3"), f"RoPE scaling ({rope_type})")
-    values = {"rotary_base": float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))}
-    if rope_type == "llama3":
-        missing = [key for key in _LLAMA3_ROPE_FLAGS if key not in parameters]
-        if missing:
-            raise ConversionError(f"config.json's llama3 RoPE scaling has no {', '.join(missing)}")
-        values.update({flag: parameters[key] for key, flag in _LLAMA3_ROPE_FLAGS.items()}, use_rope_scaling=True)
-    return values
-
-
-def _llama_values(hf: dict) -> dict:
-    hidden, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
-    head_dim = hf.get("head_dim") or hidden // heads
-    _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
-    _refuse(bool(hf.get("attention_bias") or hf.get("mlp_bias")),
-            f"a {hf.get('model_type')} with attention or MLP biases")
-    positions = _get(hf, "max_position_embeddings")
-    return {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
-            "disable_bias_linear": True, "group_query_attention": True,
-            "num_layers": _get(hf, "num_hidden_layers"), "hidden_size": hidden,
-            "ffn_hidden_size": _get(hf, "intermediate_size"), "num_attention_heads": heads,
-            "num_query_groups": hf.get("num_key_value_heads") or heads,
-            "kv_channels": head_dim if head_dim != hidden // heads else None, "seq_length": positions,
-            "max_position_embeddings": positions, "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-            **_rope_values(hf), "vocab_size": _get(hf, "vocab_size"),
-            "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
-            "init_method_std": float(hf.get("initializer_range", 0.02)), "hidden_dropout": 0.0,
-            "attention_dropout": float(hf.get("attention_dropout", 0.0))}
-
-
 def _qwen_values(hf: dict) -> dict:
     """Qwen2 (a bias on q, k and v) and Qwen3 (RMSNorms on each query and key head): Llamas otherwise."""
-    _refuse(bool(hf.get("use_sliding_window")), f"sliding-window attention ({hf.get('sliding_window')})")
+    refuse(bool(hf.get("use_sliding_window")), f"sliding-window attention ({hf.get('sliding_window')})")
     if hf["model_type"] == "qwen2":
-        return {**_llama_values(hf), "add_qkv_bias": True}
-    return {**_llama_values(hf), "qk_layernorm": True}
+        return {**llama_values(hf), "add_qkv_bias": True}
+    return {**llama_values(hf), "qk_layernorm": True}
 
 
 def _mixtral_values(hf: dict) -> dict:
     window = hf.get("sliding_window")
-    _refuse(window is not None and window < _get(hf, "max_position_embeddings"), f"sliding-window attention ({window})")
-    values = _llama_values(hf)
-    _refuse(values["kv_channels"] is not None, f"a mixtral head_dim ({hf.get('head_dim')}) other than hidden_size / "
+    refuse(window is not None and window < required(hf, "max_position_embeddings"),
+           f"sliding-window attention ({window})")
+    values = llama_values(hf)
+    refuse(values["kv_channels"] is not None, f"a mixtral head_dim ({hf.get('head_dim')}) other than hidden_size / "
                                                f"num_attention_heads")
-    return {**values, "num_experts": _get(hf, "num_local_experts"),
-            "moe_router_topk": _get(hf, "num_experts_per_tok"), "moe_ffn_hidden_size": _get(hf, "intermediate_size"),
+    return {**values, "num_experts": required(hf, "num_local_experts"),
+            "moe_router_topk": required(hf, "num_experts_per_tok"),
+            "moe_ffn_hidden_size": required(hf, "intermediate_size"),
             "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
 
 
 def _qwen_moe_values(hf: dict) -> dict:
     """Qwen3-MoE (Qwen3 attention) and Qwen2-MoE (Qwen2 attention and a gated shared expert), with experts in
     every layer."""
-    _refuse(hf.get("decoder_sparse_step", 1) != 1 or bool(hf.get("mlp_only_layers")),
+    refuse(hf.get("decoder_sparse_step", 1) != 1 or bool(hf.get("mlp_only_layers")),
             "a qwen MoE with dense layers (decoder_sparse_step, mlp_only_layers)")
-    _refuse(bool(hf.get("use_sliding_window")), f"sliding-window attention ({hf.get('sliding_window')})")
-    values = {**_llama_values({**hf, "attention_bias": False}), "qk_layernorm": hf["model_type"] == "qwen3_moe"}
-    _refuse(hf["model_type"] == "qwen3_moe" and bool(hf.get("attention_bias")), "a qwen3_moe with attention biases")
-    num_experts = hf.get("num_experts") or _get(hf, "num_local_experts")
-    values.update(num_experts=num_experts, moe_router_topk=_get(hf, "num_experts_per_tok"),
-                  moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
+    refuse(bool(hf.get("use_sliding_window")), f"sliding-window attention ({hf.get('sliding_window')})")
+    values = {**llama_values({**hf, "attention_bias": False}), "qk_layernorm": hf["model_type"] == "qwen3_moe"}
+    refuse(hf["model_type"] == "qwen3_moe" and bool(hf.get("attention_bias")), "a qwen3_moe with attention biases")
+    num_experts = hf.get("num_experts") or required(hf, "num_local_experts")
+    values.update(num_experts=num_experts, moe_router_topk=required(hf, "num_experts_per_tok"),
+                  moe_ffn_hidden_size=required(hf, "moe_intermediate_size"),
                   moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
                   moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
     if hf["model_type"] == "qwen2_moe":
         values.update(add_qkv_bias=bool(hf.get("qkv_bias", True)),
-                      moe_shared_expert_intermediate_size=_get(hf, "shared_expert_intermediate_size"),
+                      moe_shared_expert_intermediate_size=required(hf, "shared_expert_intermediate_size"),
                       moe_shared_expert_gate=True)
     return values
 
@@ -143,25 +99,23 @@ _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
 
 def _gpt2_values(hf: dict) -> dict:
     activation = hf.get("activation_function", "gelu_new")
-    _refuse(activation not in _GPT2_ACTIVATIONS, f"activation_function {activation!r}")
-    _refuse(bool(hf.get("scale_attn_by_inverse_layer_idx")), "scale_attn_by_inverse_layer_idx")
-    _refuse(not hf.get("scale_attn_weights", True), "scale_attn_weights=false")
-    _refuse(bool(hf.get("add_cross_attention")), "cross-attention")
-    hidden, positions = _get(hf, "n_embd"), _get(hf, "n_positions")
+    refuse(activation not in _GPT2_ACTIVATIONS, f"activation_function {activation!r}")
+    refuse(bool(hf.get("scale_attn_by_inverse_layer_idx")), "scale_attn_by_inverse_layer_idx")
+    refuse(not hf.get("scale_attn_weights", True), "scale_attn_weights=false")
+    refuse(bool(hf.get("add_cross_attention")), "cross-attention")
+    hidden, positions = required(hf, "n_embd"), required(hf, "n_positions")
     return {"normalization": "LayerNorm", "swiglu": False, "position_embedding_type": "learned_absolute",
             "openai_gelu": _GPT2_ACTIVATIONS[activation], "disable_bias_linear": False,
-            "num_layers": _get(hf, "n_layer"), "hidden_size": hidden,
+            "num_layers": required(hf, "n_layer"), "hidden_size": hidden,
             "ffn_hidden_size": hf.get("n_inner") or 4 * hidden,
-            "num_attention_heads": _get(hf, "n_head"), "seq_length": positions, "max_position_embeddings": positions,
-            "norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)), "vocab_size": _get(hf, "vocab_size"),
+            "num_attention_heads": required(hf, "n_head"), "seq_length": positions,
+            "max_position_embeddings": positions,
+            "norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)), "vocab_size": required(hf, "vocab_size"),
             "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", True),
             "init_method_std": float(hf.get("initializer_range", 0.02)),
             "hidden_dropout": float(hf.get("resid_pdrop", 0.1)), "attention_dropout": float(hf.get("attn_pdrop", 0.1))}
 
 
-# DeepSeek-V3: rope_type "yarn" keys -> our flags (beta_fast/slow default to 32 and 1 in transformers and here)
-_YARN_FLAGS = {"factor": "rotary_scaling_factor", "original_max_position_embeddings":
-               "yarn_original_max_position_embeddings", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
 _DEEPSEEK_INTEGER_KEYS = ("n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
                           "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                           "num_nextn_predict_layers")
@@ -169,58 +123,29 @@ _DEEPSEEK_NUMBER_KEYS = ("routed_scaling_factor", "mscale", "mscale_all_dim", "a
                          "beta_slow", "factor")
 
 
-def _yarn_values(hf: dict) -> dict:
-    """--rotary-base and YaRN's flags from DeepSeek-V3's RoPE parameters (plain RoPE or rope_type "yarn").
-
-    transformers scales cos and sin by `attention_factor`, or without it by mscale(factor, mscale) /
-    mscale(factor, mscale_all_dim) when both are set and mscale(factor, 1) otherwise; its softmax scale takes
-    mscale(factor, mscale_all_dim)^2 (model/attention/yarn.py). The flags are chosen to give both."""
-    parameters = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
-    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
-    _refuse(rope_type not in ("default", "yarn"), f"RoPE scaling ({rope_type}) in a deepseek_v3")
-    values = {"rotary_base": float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))}
-    if rope_type == "default":
-        return values
-    for key in ("factor", "original_max_position_embeddings"):
-        _get(parameters, key)
-    _refuse(parameters.get("truncate", True) is False, "YaRN without truncation (truncate: false)")
-    values.update({flag: parameters[key] for key, flag in _YARN_FLAGS.items() if parameters.get(key) is not None})
-    mscale, all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim") or 0.0
-    _refuse(bool(all_dim) and not mscale and parameters.get("attention_factor") is None,
-            "YaRN's mscale_all_dim without mscale")
-    values.update(mscale=float(mscale) if mscale and all_dim else 1.0, mscale_all_dim=float(all_dim))
-    given = parameters.get("attention_factor")
-    if given is not None:
-        ours = YarnScaling(values["rotary_scaling_factor"], 1, 32.0, 1.0, values["mscale"], values["mscale_all_dim"],
-                           1.0).attention_factor
-        _refuse(abs(given - ours) > 1e-12 * abs(ours), f"a YaRN attention_factor ({given}) other than the "
-                                                        f"mscale ratio ({ours})")
-    return values
-
-
 def _deepseek_v3_values(hf: dict) -> dict:
     """DeepSeek-V3: multi-latent attention with its latent norms (--qk-layernorm), first_k_dense_replace dense
     layers (--moe-layer-freq), sigmoid routing renormalized over the top k with an expert bias, group-limited,
     scaled by routed_scaling_factor, n_shared_experts shared experts as one shared MLP, and
     num_nextn_predict_layers multi-token prediction modules."""
-    _refuse(not hf.get("rope_interleave", True), "a deepseek_v3 without rope_interleave")
-    _refuse(not hf.get("norm_topk_prob", True), "a deepseek_v3 without norm_topk_prob")
-    _refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func {hf.get('scoring_func')!r}")
-    layers, dense = _get(hf, "num_hidden_layers"), hf.get("first_k_dense_replace", 0)
-    groups, group_topk, topk = hf.get("n_group") or 1, hf.get("topk_group") or 1, _get(hf, "num_experts_per_tok")
-    _refuse(groups > 1 and topk != 2 * group_topk, f"group-limited routing that ranks groups by their top 2 scores "
+    refuse(not hf.get("rope_interleave", True), "a deepseek_v3 without rope_interleave")
+    refuse(not hf.get("norm_topk_prob", True), "a deepseek_v3 without norm_topk_prob")
+    refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func {hf.get('scoring_func')!r}")
+    layers, dense = required(hf, "num_hidden_layers"), hf.get("first_k_dense_replace", 0)
+    groups, group_topk, topk = hf.get("n_group") or 1, hf.get("topk_group") or 1, required(hf, "num_experts_per_tok")
+    refuse(groups > 1 and topk != 2 * group_topk, f"group-limited routing that ranks groups by their top 2 scores "
                                                    f"with num_experts_per_tok ({topk}) other than 2 x topk_group "
                                                    f"({group_topk})")
-    values = {**_llama_values({**hf, "head_dim": None, "num_key_value_heads": None, "rope_parameters": None,
-                               "rope_scaling": None}), **_yarn_values(hf)}
-    shared = (hf.get("n_shared_experts") or 0) * _get(hf, "moe_intermediate_size")
-    _refuse(not shared, "a deepseek_v3 without shared experts (n_shared_experts)")
+    values = {**llama_values({**hf, "head_dim": None, "num_key_value_heads": None, "rope_parameters": None,
+                               "rope_scaling": None}), **yarn_values(hf)}
+    shared = (hf.get("n_shared_experts") or 0) * required(hf, "moe_intermediate_size")
+    refuse(not shared, "a deepseek_v3 without shared experts (n_shared_experts)")
     values.update(
         group_query_attention=False, num_query_groups=None, kv_channels=None, multi_latent_attention=True,
-        qk_layernorm=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=_get(hf, "kv_lora_rank"),
-        qk_head_dim=_get(hf, "qk_nope_head_dim"), qk_pos_emb_head_dim=_get(hf, "qk_rope_head_dim"),
-        v_head_dim=_get(hf, "v_head_dim"), num_experts=_get(hf, "n_routed_experts"), moe_router_topk=topk,
-        moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), moe_layer_freq=f"([0]*{dense}+[1]*{layers - dense})",
+        qk_layernorm=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=required(hf, "kv_lora_rank"),
+        qk_head_dim=required(hf, "qk_nope_head_dim"), qk_pos_emb_head_dim=required(hf, "qk_rope_head_dim"),
+        v_head_dim=required(hf, "v_head_dim"), num_experts=required(hf, "n_routed_experts"), moe_router_topk=topk,
+        moe_ffn_hidden_size=required(hf, "moe_intermediate_size"), moe_layer_freq=f"([0]*{dense}+[1]*{layers - dense})",
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
@@ -242,11 +167,11 @@ def _qwen3_next_layers(hf: dict) -> tuple[list[bool], list[bool]]:
     """(linear attention, MoE) of each layer of a Qwen3-Next: `layer_types` (else every full_attention_interval-th
     layer softmax attention), and experts where num_experts > 0, outside mlp_only_layers, every
     decoder_sparse_step-th layer (transformers' rules)."""
-    layers = _get(hf, "num_hidden_layers")
+    layers = required(hf, "num_hidden_layers")
     interval = hf.get("full_attention_interval", 4)
     types = hf.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
                                       for i in range(layers)]
-    _refuse(len(types) != layers or not set(types) <= {"linear_attention", "full_attention"},
+    refuse(len(types) != layers or not set(types) <= {"linear_attention", "full_attention"},
             f"layer_types {types!r}")
     dense, step, experts = set(hf.get("mlp_only_layers") or []), hf.get("decoder_sparse_step", 1), hf.get("num_experts")
     moe = [bool(experts) and i not in dense and (i + 1) % step == 0 for i in range(layers)]
@@ -260,30 +185,30 @@ def _qwen3_next_values(hf: dict) -> dict:
     text models: the same, dense (qwen3_5_text) or with experts in every layer, always renormalized
     (qwen3_5_moe_text, which has no dense MLP size)."""
     if hf["model_type"] == "qwen3_5_moe_text":
-        hf = {**hf, "intermediate_size": hf.get("intermediate_size") or _get(hf, "moe_intermediate_size"),
+        hf = {**hf, "intermediate_size": hf.get("intermediate_size") or required(hf, "moe_intermediate_size"),
               "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1}
     elif hf["model_type"] == "qwen3_5_text":
         hf = {**hf, "num_experts": None}
     linear, moe = _qwen3_next_layers(hf)
     parameters = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
-    values = {**_llama_values(hf), "qk_layernorm": True, "attention_output_gate": True, "apply_layernorm_1p": True,
+    values = {**llama_values(hf), "qk_layernorm": True, "attention_output_gate": True, "apply_layernorm_1p": True,
               "rotary_percent": float(parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
               "experimental_attention_variant": "gated_delta_net", "linear_attention_freq": _layer_list(linear),
-              **{key: _get(hf, key) for key in _LINEAR_ATTENTION_KEYS}}
+              **{key: required(hf, key) for key in _LINEAR_ATTENTION_KEYS}}
     if any(moe):
-        values.update(num_experts=_get(hf, "num_experts"), moe_router_topk=_get(hf, "num_experts_per_tok"),
-                      moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), moe_layer_freq=_layer_list(moe),
+        values.update(num_experts=required(hf, "num_experts"), moe_router_topk=required(hf, "num_experts_per_tok"),
+                      moe_ffn_hidden_size=required(hf, "moe_intermediate_size"), moe_layer_freq=_layer_list(moe),
                       moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
                       moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
-                      moe_shared_expert_intermediate_size=_get(hf, "shared_expert_intermediate_size"),
+                      moe_shared_expert_intermediate_size=required(hf, "shared_expert_intermediate_size"),
                       moe_shared_expert_gate=True)
     return values
 
 
-_FROM_HF = {"llama": _llama_values, "qwen2": _qwen_values, "qwen3": _qwen_values, "gpt2": _gpt2_values,
+_FROM_HF = {"llama": llama_values, "qwen2": _qwen_values, "qwen3": _qwen_values, "gpt2": _gpt2_values,
             "mixtral": _mixtral_values, "qwen3_moe": _qwen_moe_values, "qwen2_moe": _qwen_moe_values,
             "deepseek_v3": _deepseek_v3_values, "qwen3_next": _qwen3_next_values, "qwen3_5_text": _qwen3_next_values,
-            "qwen3_5_moe_text": _qwen3_next_values}
+            "qwen3_5_moe_text": _qwen3_next_values, "gpt_oss": gpt_oss_values}
 
 
 # The types of the config.json keys read above (null stands for a missing key), checked before any is used.
@@ -294,8 +219,8 @@ _INTEGER_KEYS = (*_DEEPSEEK_INTEGER_KEYS, "hidden_size", "num_attention_heads", 
                  "decoder_sparse_step", "sliding_window", "n_embd", "n_positions", "n_layer", "n_head", "n_inner",
                  "full_attention_interval", *_LINEAR_ATTENTION_KEYS)
 _NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "initializer_range", "attention_dropout", "router_aux_loss_coef",
-                "layer_norm_epsilon", "resid_pdrop", "attn_pdrop", "partial_rotary_factor", *_LLAMA3_ROPE_FLAGS,
-                *_DEEPSEEK_NUMBER_KEYS)
+                "layer_norm_epsilon", "resid_pdrop", "attn_pdrop", "partial_rotary_factor", *LLAMA3_ROPE_FLAGS,
+                *_DEEPSEEK_NUMBER_KEYS, "swiglu_alpha", "swiglu_limit")
 _OBJECT_KEYS = ("rope_parameters", "rope_scaling")
 
 
@@ -337,6 +262,12 @@ def family_of_model(m: ModelConfig, base_model_type: str | None = None) -> str:
             return "qwen3_next"
         raise ConversionError(f"no Hugging Face model type has this network: qwen3_next (the one with Gated DeltaNet "
                               f"layers) needs {refusal}")
+    if _gpt_oss_options(m) or m.position_embedding_type == "yarn":
+        refusal = gpt_oss_refusal(m)
+        if refusal is None:
+            return "gpt_oss"
+        raise ConversionError(f"no Hugging Face model type has this network: gpt_oss (the one with "
+                              f"{', '.join(_gpt_oss_options(m)) or 'YaRN'}) needs {refusal}")
     plain_norms_and_attention = not (m.apply_layernorm_1p or m.attention_output_gate or m.rotary_percent != 1
                                      or _gpt_oss_options(m))
     llama_like = (m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope"
@@ -384,29 +315,9 @@ def family_of_model(m: ModelConfig, base_model_type: str | None = None) -> str:
         f"and a gated shared expert)")
 
 
-def _llama_config(m: ModelConfig) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
-            "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_query_groups,
-            "head_dim": m.head_dim, "hidden_act": "silu", "max_position_embeddings": m.max_position_embeddings,
-            "rms_norm_eps": m.norm_epsilon, "rope_theta": m.rotary_base, **_rope_config(m),
-            "tie_word_embeddings": not m.untie_embeddings_and_output_weights, "attention_bias": False,
-            "mlp_bias": False, "attention_dropout": m.attention_dropout, "initializer_range": m.init_method_std}
-
-
-def _rope_config(m: ModelConfig) -> dict:
-    """`rope_parameters` (transformers 5) and `rope_scaling` (older versions) of the model's RoPE."""
-    if not m.use_rope_scaling:
-        return {"rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}, "rope_scaling": None}
-    scaling = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
-               "low_freq_factor": m.rope_scaling_low_freq_factor, "high_freq_factor": m.rope_scaling_high_freq_factor,
-               "original_max_position_embeddings": m.rope_scaling_original_max_position_embeddings}
-    return {"rope_parameters": {**scaling, "rope_theta": m.rotary_base}, "rope_scaling": scaling}
-
-
 def _qwen_config(m: ModelConfig, model_type: str, architecture: str) -> dict:
     """Qwen2 has no attention_bias key (its q, k and v always have biases); both have sliding windows, off."""
-    config = _llama_config(m)
+    config = llama_config(m)
     del config["mlp_bias"]
     if model_type == "qwen2":
         del config["attention_bias"]
@@ -415,7 +326,7 @@ def _qwen_config(m: ModelConfig, model_type: str, architecture: str) -> dict:
 
 
 def _mixtral_config(m: ModelConfig) -> dict:
-    config = _llama_config(m)
+    config = llama_config(m)
     for key in ("attention_bias", "mlp_bias", "head_dim"):  # MixtralConfig derives head_dim from the hidden size
         del config[key]
     return {**config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
@@ -469,7 +380,7 @@ def _deepseek_v3_refusal(m: ModelConfig) -> str | None:
 
 
 def _gpt_oss_options(m: ModelConfig) -> list[str]:
-    """The gpt-oss options the model sets, which no family converted here has (the gpt_oss family is not built)."""
+    """The gpt-oss options the model sets, which no other family converted here has."""
     options = [("--window-size", m.window_size is not None), ("--softmax-type", m.softmax_type != "vanilla"),
                ("--quick-geglu", m.quick_geglu), ("--glu-linear-offset", bool(m.glu_linear_offset)),
                ("--activation-func-clamp-value", m.activation_func_clamp_value is not None)]
@@ -497,7 +408,7 @@ def _qwen3_next_refusal(m: ModelConfig) -> str | None:
 def _hybrid_config(m: ModelConfig, model_type: str, architecture: str) -> dict:
     """What Qwen3-Next's and Qwen3.5's config.json share: a Llama's keys, partial RoPE, each layer's kind and the
     Gated DeltaNet shapes."""
-    config = _llama_config(m)
+    config = llama_config(m)
     del config["mlp_bias"]
     return {**config, "architectures": [architecture], "model_type": model_type,
             "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": m.rotary_percent},
@@ -528,7 +439,7 @@ def _qwen3_5_config(m: ModelConfig, model_type: str) -> dict:
 
 
 def _deepseek_v3_config(m: ModelConfig) -> dict:
-    config = _llama_config(m)
+    config = llama_config(m)
     for key in ("mlp_bias", "head_dim", "num_key_value_heads", "rope_scaling"):
         del config[key]
     yarn = YarnScaling.of(m)
@@ -541,6 +452,8 @@ def _deepseek_v3_config(m: ModelConfig) -> dict:
         inferred = yarn_mscale(m.rotary_scaling_factor, 1.0) if not (m.mscale and m.mscale_all_dim) else None
         if inferred is not None and inferred != yarn.attention_factor:  # what transformers takes without the key
             rope["attention_factor"] = yarn.attention_factor
+        if not m.yarn_correction_range_round_to_int:
+            rope["truncate"] = False
     pattern = moe_layer_pattern(m)
     return {**config, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "rope_parameters": rope,
             "rope_interleave": True, "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
@@ -553,13 +466,14 @@ def _deepseek_v3_config(m: ModelConfig) -> dict:
             **({"num_nextn_predict_layers": m.mtp_num_layers} if m.mtp_num_layers else {})}
 
 
-_TO_HF = {"llama": _llama_config, "qwen2": lambda m: _qwen_config(m, "qwen2", "Qwen2ForCausalLM"),
+_TO_HF = {"llama": llama_config, "qwen2": lambda m: _qwen_config(m, "qwen2", "Qwen2ForCausalLM"),
           "qwen3": lambda m: _qwen_config(m, "qwen3", "Qwen3ForCausalLM"), "gpt2": _gpt2_config,
           "mixtral": _mixtral_config,
           "qwen3_moe": lambda m: _qwen_moe_config(m, "qwen3_moe", "Qwen3MoeForCausalLM"),
           "qwen2_moe": lambda m: _qwen_moe_config(m, "qwen2_moe", "Qwen2MoeForCausalLM"),
           "deepseek_v3": _deepseek_v3_config, "qwen3_next": _qwen3_next_config,
-          **{model_type: lambda m, t=model_type: _qwen3_5_config(m, t) for model_type in QWEN3_5}}
+          **{model_type: lambda m, t=model_type: _qwen3_5_config(m, t) for model_type in QWEN3_5},
+          "gpt_oss": gpt_oss_config}
 
 
 def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:

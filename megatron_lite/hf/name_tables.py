@@ -13,6 +13,7 @@ The transforms between the two layouts:
   QKV          separate q, k, v -> fused per query group (model/attention/self_attention.py's layout)
   PACKED_QKV   GPT-2's one [q; k; v] tensor -> fused per query group
   GDN_PROJECTION, GDN_CONV  Qwen3-Next's Gated DeltaNet projections and convolution -> ours, per key head
+  INTERLEAVED_GATE_UP  gpt-oss's [in, 2 ffn] gate_up_proj, gate and up in alternate columns -> our fc1 [gate; up]
   transposed() GPT-2's Conv1D stores weights as [in, out]
 """
 
@@ -123,6 +124,23 @@ GDN_CONV = Transform(lambda hf, m: _per_key_head(_split_qkv_channels(hf[0], m), 
                      lambda t, m: [torch.cat(_from_key_heads(t, _conv_rows(m), m))])
 
 
+def _interleaved_to_stacked(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2 n] with gate and up in alternate entries of the last dimension -> [..., 2 n] as [gate; up]."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def _stacked_to_interleaved(t: torch.Tensor) -> torch.Tensor:
+    gate, up = t.chunk(2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+# gpt-oss's gate_up_proj [h, 2 ffn] (x @ W) -> our fc1 [2 ffn, h]; its bias [2 ffn] alike
+INTERLEAVED_GATE_UP = Transform(lambda hf, m: _interleaved_to_stacked(hf[0]).t(),
+                                lambda t, m: [_stacked_to_interleaved(t.t()).contiguous()])
+INTERLEAVED_GATE_UP_BIAS = Transform(lambda hf, m: _interleaved_to_stacked(hf[0]),
+                                     lambda t, m: [_stacked_to_interleaved(t)])
+
+
 def transposed(inner: Transform) -> Transform:
     """`inner` applied to HF tensors stored as [in, out]."""
     return Transform(lambda hf, m: inner.join([t.t() for t in hf], m),
@@ -131,12 +149,15 @@ def transposed(inner: Transform) -> Transform:
 
 @dataclass(frozen=True)
 class Rule:
-    """Our tensor `ours` is `transform.join` of the HF tensors `theirs`, whose shapes are `shapes(m)`."""
+    """Our tensor `ours` is `transform.join` of the HF tensors `theirs`, whose shapes are `shapes(m)`. With
+    `stacked_experts`, each of `theirs` holds every routed expert of the layer on a leading axis (gpt-oss) and
+    `ours` is one expert's (`{expert}`), joined from its slices."""
 
     ours: str
     theirs: tuple[str, ...]
     shapes: Callable[[ModelConfig], tuple[Shape, ...]]
     transform: Transform = SAME
+    stacked_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,7 +207,8 @@ def _output_layer(m: ModelConfig, hf_name: str) -> list[Rule]:
 
 
 def _llama_attention(m: ModelConfig) -> list[Rule]:
-    """Norms and attention of a Llama layer (and Qwen2's q/k/v biases, Qwen3's per-head q/k norms)."""
+    """Norms and attention of a Llama layer (and Qwen2's q/k/v biases, gpt-oss's biases on q, k, v and o, Qwen3's
+    per-head q/k norms)."""
     ours, attn = "decoder.layers.{layer}.", "model.layers.{layer}.self_attn."
     rules = [Rule(ours + "input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",),
                   lambda m: ((_h(m),),)),
@@ -196,10 +218,12 @@ def _llama_attention(m: ModelConfig) -> list[Rule]:
                   (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
                   lambda m: ((_q_proj_rows(m), _h(m)), (_kv(m), _h(m)), (_kv(m), _h(m))), QKV),
              Rule(ours + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), lambda m: ((_h(m), _q(m)),))]
-    if m.add_qkv_bias:
+    if m.add_qkv_bias or not m.disable_bias_linear:
         rules.append(Rule(ours + "self_attention.linear_qkv.bias",
                           (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
-                          lambda m: ((_q(m),), (_kv(m),), (_kv(m),)), QKV))
+                          lambda m: ((_q_proj_rows(m),), (_kv(m),), (_kv(m),)), QKV))
+    if not m.disable_bias_linear:
+        rules.append(Rule(ours + "self_attention.linear_proj.bias", (attn + "o_proj.bias",), lambda m: ((_h(m),),)))
     if m.qk_layernorm:
         rules += [Rule(ours + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",),
                        lambda m: ((m.head_dim,),)),
@@ -300,6 +324,28 @@ def qwen3_next_table(m: ModelConfig, separate_projections: bool = False) -> Name
                      + (moe if is_moe else dense))
 
 
+def gpt_oss_table(m: ModelConfig) -> NameTable:
+    """gpt-oss: Llama's attention with biases on q, k, v and o and a learned sink per head; a router with a bias;
+    experts stored stacked per layer, gate and up interleaved in gate_up_proj, weights as [in, out]."""
+    ours, attn, moe = "decoder.layers.{layer}.", "model.layers.{layer}.self_attn.", "model.layers.{layer}.mlp."
+    expert = ours + "mlp.experts.{expert}."
+    ffn = m.moe_ffn_hidden_size
+    layer = _llama_attention(m) + [
+        Rule(ours + "self_attention.sinks", (attn + "sinks",), lambda m: ((m.num_attention_heads,),)),
+        Rule(ours + "mlp.router.weight", (moe + "router.weight",), lambda m: ((m.num_experts, _h(m)),)),
+        Rule(ours + "mlp.router.bias", (moe + "router.bias",), lambda m: ((m.num_experts,),)),
+        Rule(expert + "linear_fc1.weight", (moe + "experts.gate_up_proj",),
+             lambda m: ((m.num_experts, _h(m), 2 * ffn),), INTERLEAVED_GATE_UP, stacked_experts=True),
+        Rule(expert + "linear_fc1.bias", (moe + "experts.gate_up_proj_bias",), lambda m: ((m.num_experts, 2 * ffn),),
+             INTERLEAVED_GATE_UP_BIAS, stacked_experts=True),
+        Rule(expert + "linear_fc2.weight", (moe + "experts.down_proj",), lambda m: ((m.num_experts, ffn, _h(m)),),
+             transposed(SAME), stacked_experts=True),
+        Rule(expert + "linear_fc2.bias", (moe + "experts.down_proj_bias",), lambda m: ((m.num_experts, _h(m)),),
+             stacked_experts=True)]
+    table = _llama_table(m, [])
+    return NameTable(head=table.head, layer=layer, tail=table.tail)
+
+
 def gpt2_table(m: ModelConfig) -> NameTable:
     """GPT-2: LayerNorms and linears with biases, learned positions, a packed [q; k; v] c_attn."""
     ours, theirs = "decoder.layers.{layer}.", "transformer.h.{layer}."
@@ -393,4 +439,4 @@ NAME_TABLES: dict[str, Callable[[ModelConfig], NameTable]] = {
     "llama": llama_table, "qwen2": llama_table, "qwen3": llama_table, "gpt2": gpt2_table, "mixtral": mixtral_table,
     "qwen3_moe": qwen_moe_table, "qwen2_moe": qwen_moe_table, "deepseek_v3": deepseek_v3_table,
     "qwen3_next": qwen3_next_table, "qwen3_5_text": lambda m: qwen3_next_table(m, separate_projections=True),
-    "qwen3_5_moe_text": lambda m: qwen3_next_table(m, separate_projections=True)}
+    "qwen3_5_moe_text": lambda m: qwen3_next_table(m, separate_projections=True), "gpt_oss": gpt_oss_table}

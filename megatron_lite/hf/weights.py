@@ -130,11 +130,22 @@ def stream_to_megatron(family: str, hf, m: ModelConfig, layers: Callable = iter)
         yield _join_unit(unit, hf, m, made)  # not bound to a name here: the caller's drop frees the unit
 
 
+def _sources(rule: Rule, values: dict, theirs: list[str], hf, stacks: dict) -> list[torch.Tensor]:
+    """The HF tensors a rule joins: whole, or this expert's slice of tensors holding every expert of the layer
+    (Rule.stacked_experts), each such tensor read once for the unit (`stacks`)."""
+    if not rule.stacked_experts:
+        return [hf[name] for name in theirs]
+    for name in theirs:
+        if name not in stacks:
+            stacks[name] = hf[name]
+    return [stacks[name][values["expert"]] for name in theirs]
+
+
 def _join_unit(unit: Unit, hf, m: ModelConfig, made: dict) -> dict[str, torch.Tensor]:
-    out = {}
+    out, stacks = {}, {}
     for rule, values in unit:
         ours, theirs = _names(rule, values)
-        tensor = rule.transform.join([hf[name] for name in theirs], m)
+        tensor = rule.transform.join(_sources(rule, values, theirs, hf, stacks), m)
         if ours in made:  # a module's copy of a table made before: checked against it, stored once
             first, first_theirs = made[ours]
             if not (tensor.is_meta or torch.equal(first.transform.join([hf[n] for n in first_theirs], m), tensor)):
@@ -167,22 +178,36 @@ def stream_to_hf(family: str, read: Callable[[list[str]], dict[str, torch.Tensor
 def _split_unit(unit: Unit, read: Callable, m: ModelConfig) -> dict[str, torch.Tensor]:
     named = [(rule, *_names(rule, values)) for rule, values in unit]
     tensors = read(list(dict.fromkeys(ours for _, ours, _ in named)))
-    out = {}
+    out, stacks = {}, {}
     for rule, ours, theirs in named:
-        out.update(zip(theirs, rule.transform.split(tensors[ours], m), strict=True))
-    return out
+        _place(rule, theirs, rule.transform.split(tensors[ours], m), out, stacks)
+    return {**out, **_stacked(stacks)}
+
+
+def _place(rule: Rule, theirs: list[str], pieces: list[torch.Tensor], out: dict, stacks: dict) -> None:
+    """Put a rule's HF pieces in `out`, or, for tensors holding every expert of a layer, after the previous
+    experts' pieces in `stacks` (rules expand expert by expert, in order)."""
+    if not rule.stacked_experts:
+        out.update(zip(theirs, pieces, strict=True))
+        return
+    for name, piece in zip(theirs, pieces, strict=True):
+        stacks.setdefault(name, []).append(piece)
+
+
+def _stacked(stacks: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {name: torch.stack(pieces) for name, pieces in stacks.items()}
 
 
 def to_hf(family: str, tensors: dict, m: ModelConfig, layers: Callable = iter) -> dict[str, torch.Tensor]:
     """Global megatron_lite tensors -> HF weights under save_pretrained's names (any vocabulary padding dropped),
     all at once; a multi-token prediction module's copies of a table are copies (save_file refuses tensors
     that share memory)."""
-    out, exported = {}, set()
+    out, stacks, exported = {}, {}, set()
     for rule, values in _expanded(family, m, layers):
         ours, theirs = _names(rule, values)
         pieces = rule.transform.split(tensors[ours], m)
         if ours in exported:  # a multi-token prediction module's copy of a table: stored on its own
             pieces = [piece.clone() for piece in pieces]
         exported.add(ours)
-        out.update(zip(theirs, pieces, strict=True))
-    return out
+        _place(rule, theirs, pieces, out, stacks)
+    return {**out, **_stacked(stacks)}

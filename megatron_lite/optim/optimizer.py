@@ -32,11 +32,12 @@ from megatron_lite.parallel.state import ParallelState
 
 
 def counted_once(param: torch.nn.Parameter, pstate: ParallelState) -> bool:
-    """Whether this rank's copy of `param` enters the global norm: replicas across TP are counted on TP
-    rank 0 only, the last stage's copy of tied embeddings not at all (the first stage counts it)."""
+    """Whether this rank's copy of `param` enters the global norm: replicas across TP (across expert TP for an
+    expert's) are counted on its rank 0 only, the last stage's copy of tied embeddings not at all (the first stage
+    counts it)."""
     if param.spec.tied_copy:
         return False
-    return param.spec.tp_dim is not None or pstate.tp_rank == 0
+    return param.spec.tp_dim is not None or (pstate.etp_rank if param.spec.expert else pstate.tp_rank) == 0
 
 
 def global_grad_norm(grads_and_replication: list[tuple[list[torch.Tensor], int]], pstate: ParallelState,

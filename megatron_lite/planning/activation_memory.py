@@ -173,7 +173,7 @@ def layer_bytes(config: Config, kind: LayerKind = _DENSE_SOFTMAX) -> int:
         per_token += latent_attention_bytes(config) + lse
     else:
         per_token += e * (nh + 2 * ng) * d  # QKV output
-        per_token += e * (nh + ng) * d if m.position_embedding_type == "rope" else e * nh * d
+        per_token += e * (nh + ng) * d if m.position_embedding_type in ("rope", "yarn") else e * nh * d
         per_token += e * nh * d + lse
     widths = 4 if m.gated_linear_unit else 2  # fc1 output (2 ffn wide gated), the activation's output, the product
     mlp = moe_mlp_bytes(config) if moe else tokens * e * (h + m.ffn_hidden_size // tp * widths)
@@ -313,7 +313,7 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
                   for number in range(chunk.layer_offset, chunk.layer_offset + chunk.num_layers)]
         saved = sum(size for size, again in zip(layers, recomputed) if not again)
         saved += _unit_inputs(config, chunk.num_layers) * stream * e * m.hidden_size
-        if m.position_embedding_type == "rope":  # each chunk's cos and sin tables, [s/cp, 1, 1, d] fp32
+        if m.position_embedding_type in ("rope", "yarn"):  # each chunk's cos and sin tables, [s/cp, 1, 1, d] fp32
             rotated = m.qk_pos_emb_head_dim if m.multi_latent_attention else m.rotary_dims
             saved += 2 * FP32 * (m.seq_length // p.context_parallel_size) * rotated
         if chunk.pre_process:

@@ -104,9 +104,9 @@ def layer_numels(config: Config, kind: LayerKind) -> tuple[list[int], list[int]]
     chunks = 2 if m.gated_linear_unit else 1
     expert = []
     if moe:
-        dense.append(_NotMuon(m.num_experts * h))  # the router, replicated
-        expert = [chunks * m.moe_ffn_hidden_size // etp * h, h * (m.moe_ffn_hidden_size // etp)] * (
-            m.num_experts // ep)  # each local expert's fc1 and fc2, split over ETP
+        dense += [_NotMuon(m.num_experts * h)] + ([_NotMuon(m.num_experts)] if bias else [])  # router, replicated
+        ffn = m.moe_ffn_hidden_size  # each local expert's fc1 and fc2 (and biases), split over ETP
+        expert = (_linear(chunks * ffn, h, bias, 0, etp) + _linear(h, ffn, bias, 1, etp)) * (m.num_experts // ep)
         shared = m.moe_shared_expert_intermediate_size
         if shared:  # split over TP as the dense MLP, no biases; its gate replicated
             dense += [chunks * shared // tp * h, h * (shared // tp)] + ([_NotMuon(h)] if m.moe_shared_expert_gate
@@ -120,7 +120,7 @@ def _layer_params(config: Config, layer_number: int, unit: int) -> list[ParamSha
     """One TransformerLayer's parameters in registration order."""
     dense, expert = layer_numels(config, layer_kind(config.model, layer_number))
     return ([ParamShape(n, unit=unit, muon=not isinstance(n, _NotMuon)) for n in dense]
-            + [ParamShape(n, expert=True, unit=unit, muon=True) for n in expert])
+            + [ParamShape(n, expert=True, unit=unit, muon=not isinstance(n, _NotMuon)) for n in expert])
 
 
 def _vocab_rows(config: Config) -> int:

@@ -160,10 +160,13 @@ class RotaryEmbedding(torch.nn.Module):
 
 def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
     """The model's RoPE: over the first --rotary-percent of each head's dimensions (all by default; Qwen3-Next a
-    quarter) with Llama 3.1's scaling if asked; with multi-latent attention over its qk-pos-emb-head-dim rotated
-    dimensions with YaRN's scaling (plain RoPE at --rotary-scaling-factor 1)."""
+    quarter) with Llama 3.1's scaling if asked, or YaRN's with --position-embedding-type yarn; with multi-latent
+    attention over its qk-pos-emb-head-dim rotated dimensions with YaRN's scaling (plain RoPE at
+    --rotary-scaling-factor 1)."""
     if config.multi_latent_attention:
         return RotaryEmbedding(config.qk_pos_emb_head_dim, config.rotary_base, YarnScaling.of(config))
+    if config.position_embedding_type == "yarn":
+        return RotaryEmbedding(config.rotary_dims, config.rotary_base, YarnScaling.of(config))
     return RotaryEmbedding(config.rotary_dims, config.rotary_base, RopeScaling.of(config))
 
 

@@ -3,13 +3,15 @@
 Rotary frequencies that turn fewer than --yarn-beta-slow times over the original context
 (--yarn-original-max-position-embeddings) are slowed by --rotary-scaling-factor (interpolated), those that turn
 more than --yarn-beta-fast times are kept (extrapolated), and a linear ramp over the frequency index blends the
-two between those bounds (rounded outwards to whole indices). The rotated part of queries and keys is scaled by
+two between those bounds (rounded outwards to whole indices, unless --no-yarn-correction-range-round-to-int, as
+gpt-oss trains: transformers' `truncate: false`). The rotated part of queries and keys is scaled by
 mscale(factor, --mscale) / mscale(factor, --mscale-all-dim), with mscale(s, m) = 0.1 m ln s + 1, through cos and
 sin; multi-latent attention multiplies its softmax scale by mscale(factor, --mscale-all-dim)^2. With a factor
 of 1 both scales are 1 and the frequencies plain RoPE's.
 
 These are Megatron-Core's YarnRotaryEmbedding and MLA softmax scale, and transformers' rope_type "yarn" with its
-DeepSeek-V3 attention scaling (tests/test_mla.py compares against it).
+DeepSeek-V3 attention scaling (tests/test_mla.py compares against it). Plain attention takes the same rotation with
+--position-embedding-type yarn (gpt-oss; tests/test_gpt_oss.py), its softmax scale unchanged.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ class YarnScaling(NamedTuple):
     mscale: float
     mscale_all_dim: float
     base: float
+    round_to_int: bool = True
 
     @classmethod
     def of(cls, config: ModelConfig) -> YarnScaling:
         return cls(config.rotary_scaling_factor, config.yarn_original_max_position_embeddings, config.yarn_beta_fast,
-                   config.yarn_beta_slow, config.mscale, config.mscale_all_dim, config.rotary_base)
+                   config.yarn_beta_slow, config.mscale, config.mscale_all_dim, config.rotary_base,
+                   config.yarn_correction_range_round_to_int)
 
     def _correction_dim(self, rotations: float, dim: int) -> float:
         """The frequency index (of dim / 2) whose wavelength fits `rotations` times into the original context."""
@@ -49,8 +53,10 @@ class YarnScaling(NamedTuple):
     def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
         """RoPE's inverse frequencies [dim / 2] -> YaRN's."""
         dim = 2 * inv_freq.numel()
-        low = max(math.floor(self._correction_dim(self.beta_fast, dim)), 0)
-        high = min(math.ceil(self._correction_dim(self.beta_slow, dim)), dim - 1)
+        low, high = self._correction_dim(self.beta_fast, dim), self._correction_dim(self.beta_slow, dim)
+        if self.round_to_int:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # a ramp of zero width
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -13,7 +13,9 @@ and multiplies every expert's tokens at once (the stacked copy is made again in 
 
 Routed experts are split over the expert-tensor-parallel ranks (--expert-tensor-parallel-size, TP by
 default) as the dense MLP is over TP (fc1 by output rows, [gate; up] halves separately for SwiGLU; fc2 by
-input columns); the outputs are partial sums over those ranks that the MoE layer reduces once. The shared
+input columns); the outputs are partial sums over those ranks that the MoE layer reduces once. Without
+--disable-bias-linear each routed expert has biases (gpt-oss's, Megatron's add_bias_linear): fc1's split as its
+rows, fc2's whole on every ETP rank and added by the first, before the routing probability weighs the output. The shared
 expert (--moe-shared-expert-intermediate-size, DeepSeek / Qwen2-MoE) is such an MLP, split over TP, that
 every token runs; Qwen2-MoE scales its output by sigmoid(x w_gate) (--moe-shared-expert-gate).
 """
@@ -126,27 +128,33 @@ def experts_linear(x: torch.Tensor, weights: list[torch.Tensor], counts: torch.T
 
 
 class ExpertLinear(torch.nn.Module):
-    """One weight of an expert, this TP rank's slice; no communication (the MoE layer does it once)."""
+    """One weight of an expert, this TP rank's slice, and its bias where `bias` gives one; no communication (the
+    MoE layer does it once)."""
 
-    def __init__(self, spec: ShardSpec, tp_size: int):
+    def __init__(self, spec: ShardSpec, tp_size: int, bias: ShardSpec | None = None):
         super().__init__()
         self.weight = new_parameter(spec, tp_size)
+        self.bias = None if bias is None else new_parameter(bias, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class ExpertMLP(torch.nn.Module):
-    """h -> ffn -> h with GELU or SwiGLU, no biases: [n, h] -> [n, h], a partial sum over TP. A routed
-    expert (`expert=True`: gradients reduced over the expert-data-parallel group) or the shared one."""
+    """h -> ffn -> h with GELU or a gated unit: [n, h] -> [n, h], a partial sum over TP. A routed expert
+    (`expert=True`: gradients reduced over the expert-data-parallel group; biases without --disable-bias-linear)
+    or the shared one (no biases)."""
 
     def __init__(self, config: ModelConfig, tp_size: int, ffn: int, *, expert: bool):
         super().__init__()
         self.config = config
         h, chunks = config.hidden_size, 2 if config.gated_linear_unit else 1
-        self.linear_fc1 = ExpertLinear(ShardSpec((chunks * ffn, h), tp_dim=0, tp_chunks=chunks, expert=expert),
-                                       tp_size)
-        self.linear_fc2 = ExpertLinear(ShardSpec((h, ffn), tp_dim=1, init="scaled_normal", expert=expert), tp_size)
+        biased = expert and not config.disable_bias_linear
+        self.linear_fc1 = ExpertLinear(
+            ShardSpec((chunks * ffn, h), tp_dim=0, tp_chunks=chunks, expert=expert), tp_size,
+            ShardSpec((chunks * ffn,), tp_dim=0, tp_chunks=chunks, init="zeros", expert=True) if biased else None)
+        self.linear_fc2 = ExpertLinear(ShardSpec((h, ffn), tp_dim=1, init="scaled_normal", expert=expert), tp_size,
+                                       ShardSpec((h,), init="zeros", expert=True) if biased else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(activation(self.config, self.linear_fc1(x)))
@@ -154,19 +162,31 @@ class ExpertMLP(torch.nn.Module):
 
 class GroupedExperts(torch.nn.ModuleList):
     """This rank's E / ep routed experts (ExpertMLPs, indexed as local experts, each split over `etp_size`
-    ranks), run as grouped GEMMs."""
+    ranks, this rank `etp_rank` of them), run as grouped GEMMs."""
 
-    def __init__(self, config: ModelConfig, etp_size: int, num_local_experts: int):
+    def __init__(self, config: ModelConfig, etp_size: int, num_local_experts: int, etp_rank: int = 0):
         super().__init__(ExpertMLP(config, etp_size, config.moe_ffn_hidden_size, expert=True)
                          for _ in range(num_local_experts))
         self.config = config
+        self.adds_output_bias = etp_rank == 0
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """[N, h] rows sorted by local expert, [E_local] rows per expert (on the device) -> [N, h]."""
         fc1 = [expert.linear_fc1.weight for expert in self]  # each [chunks ffn / tp, h]
         fc2 = [expert.linear_fc2.weight for expert in self]  # each [h, ffn / tp]
-        hidden = activation(self.config, experts_linear(x, fc1, tokens_per_expert))
-        return experts_linear(hidden, fc2, tokens_per_expert)
+        hidden = experts_linear(x, fc1, tokens_per_expert)
+        if self[0].linear_fc1.bias is None:
+            return experts_linear(activation(self.config, hidden), fc2, tokens_per_expert)
+        expert_of_row = segment_ids(tokens_per_expert, x.shape[0])[0]
+        hidden = hidden + torch.stack([expert.linear_fc1.bias for expert in self])[expert_of_row]
+        out = experts_linear(activation(self.config, hidden), fc2, tokens_per_expert)
+        return out + self._output_bias(torch.stack([expert.linear_fc2.bias for expert in self])[expert_of_row])
+
+    def _output_bias(self, bias_rows: torch.Tensor) -> torch.Tensor:
+        """fc2's bias of each row [N, h] as this ETP rank adds it to its partial sum: whole on the first rank, zero
+        on the others, so the reduced output holds it once. Every rank takes the bias's whole gradient (b - b is
+        zero with b's gradient), as every ETP rank sees the same tokens and output gradients."""
+        return bias_rows if self.adds_output_bias else bias_rows - bias_rows.detach()
 
 
 class SharedExpertMLP(ExpertMLP):

@@ -25,7 +25,7 @@ from the stage's ranks independently of attention's TP group, e.g. attention at 
 ETP1 x EP2 on the same two ranks. Under TP > 1 the TP ranks must then hold different tokens, so sequence
 parallelism is required, as Megatron requires it for MoE with TP.
 
-Experts have no biases; the local experts run as one grouped GEMM (experts.py). A shared expert
+The local experts run as one grouped GEMM (experts.py), with biases without --disable-bias-linear. A shared expert
 (--moe-shared-expert-intermediate-size) is split over TP: with ETP = TP it runs on the region's tokens, so
 its partial sum joins the routed experts' before the one reduction; otherwise in a TP region of its own.
 Megatron's --moe-shared-expert-overlap runs the shared expert on a side stream while the all-to-all is in
@@ -76,7 +76,7 @@ class MoELayer(torch.nn.Module):
         self.micro_batch_groups = [group for group in (self.tp_group if sequence_parallel else None,
                                                        pstate.group("cp")) if group is not None]
         self.router = TopKRouter(config, pstate, sequence_parallel=sequence_parallel)
-        self.experts = GroupedExperts(config, pstate.etp_size, config.num_experts // pstate.ep_size)
+        self.experts = GroupedExperts(config, pstate.etp_size, config.num_experts // pstate.ep_size, pstate.etp_rank)
         self.shared_experts = (SharedExpertMLP(config, pstate.tp_size)
                                if config.moe_shared_expert_intermediate_size else None)
         self.token_dispatcher = TOKEN_DISPATCHERS[token_dispatcher](config.num_experts, pstate)

@@ -168,8 +168,9 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 
 
 class TopKRouter(torch.nn.Module):
-    """Linear gate [E, h], replicated on every rank; with sequence parallelism it sees this rank's slice
-    of the sequence, so its gradient is a partial sum over TP (ShardSpec.sequence_parallel). With
+    """Linear gate [E, h], replicated on every rank, with a bias [E] unless --disable-bias-linear (Megatron's
+    add_bias_linear; gpt-oss's router); with sequence parallelism it sees this rank's slice of the sequence, so
+    its gradients are partial sums over TP (ShardSpec.sequence_parallel). With
     --moe-router-enable-expert-bias it holds `expert_bias` [E], an fp32 buffer that moe.update_expert_biases
     changes after each iteration, identically on every rank, and that checkpoints carry."""
 
@@ -188,6 +189,8 @@ class TopKRouter(torch.nn.Module):
         self.token_split = (pstate.tp_size if sequence_parallel else 1) * pstate.cp_size
         self.weight = new_parameter(
             ShardSpec((config.num_experts, config.hidden_size), sequence_parallel=sequence_parallel), 1)
+        self.bias = (None if config.disable_bias_linear else
+                     new_parameter(ShardSpec((config.num_experts,), sequence_parallel=sequence_parallel), 1))
         self.bias_update_rate = config.moe_router_bias_update_rate
         if config.moe_router_enable_expert_bias:
             bias = torch.zeros(config.num_experts, dtype=torch.float32)
@@ -198,7 +201,8 @@ class TopKRouter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterLosses]:
         """[s, b, h] (this rank's tokens) -> probabilities [s b, k], expert indices [s b, k], losses."""
-        logits = F.linear(x.reshape(-1, x.shape[-1]).float(), self.weight.float())  # [T_local, E] fp32
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(x.reshape(-1, x.shape[-1]).float(), self.weight.float(), bias)  # [T_local, E] fp32
         probs, indices = topk_routing(logits, self.choice, self.expert_bias)
         local_counts = count_per_expert(indices, self.num_experts)
         num_tokens = logits.shape[0] * self.token_split
