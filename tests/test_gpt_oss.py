@@ -26,9 +26,10 @@ from tests.test_hf_conversion import (
 )
 from tests.tolerances import assert_close_relative
 
-# YaRN stretching a 16-token context by 4 without rounding its band (gpt-oss's truncate: false)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
-        "original_max_position_embeddings": 16, "truncate": False}
+# gpt-oss's YaRN, which does not round its band (truncate: false), from a 32-token context: rounding would move the
+# second frequency of the 16-dimensional heads here from 0.026 to 0.12
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 32, "truncate": False}
 VARIANTS = {
     "alternating_windows_yarn": dict(layer_types=["sliding_attention", "full_attention"] * 2, rope_parameters=YARN),
     "all_windows_plain_rope": dict(layer_types=["sliding_attention"] * 4,
@@ -75,7 +76,7 @@ def converted(models) -> tuple[str, str]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_converted_model_has_transformers_logits(models, variant):
     hf_dir, mlite_dir = models[variant]
-    ids = torch.randint(0, HF_VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))  # past the 16 positions
+    ids = torch.randint(0, HF_VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))  # past 6-token windows
     assert_close_relative(our_logits(mlite_dir, ids), hf_logits(hf_dir, ids), rel=1e-5)
 
 
@@ -86,7 +87,7 @@ def test_the_converted_gpt_oss_has_megatrons_flags(converted):
     assert flags["softmax_type"] == "learnable" and not flags.get("disable_bias_linear")
     assert flags["quick_geglu"] and flags["glu_linear_offset"] == 1.0 and flags["activation_func_clamp_value"] == 0.5
     assert flags["position_embedding_type"] == "yarn" and flags["yarn_correction_range_round_to_int"] is False
-    assert flags["rotary_scaling_factor"] == 4.0 and flags["yarn_original_max_position_embeddings"] == 16
+    assert flags["rotary_scaling_factor"] == 32.0 and flags["yarn_original_max_position_embeddings"] == 32
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
