@@ -97,7 +97,8 @@ def train_and_collect(values: dict, world_size: int):
 
 
 def join_shards(records_of_all_ranks: list[list[tuple]]) -> dict[tuple, object]:
-    """{(name, replica): global tensor} from every rank's records, TP shards joined in TP-rank order."""
+    """{(name, replica): global tensor} from every rank's records, TP shards joined in TP-rank order. A tensor
+    replicated over the TP (or expert-TP) ranks must be the same on each of them."""
     pieces: dict[tuple, dict] = {}
     for records in records_of_all_ranks:
         for name, replica, tp_rank, spec, tensor in records:
@@ -105,6 +106,9 @@ def join_shards(records_of_all_ranks: list[list[tuple]]) -> dict[tuple, object]:
     joined = {}
     for key, by_rank in pieces.items():
         spec = by_rank[0][0]
+        if spec.tp_dim is None:
+            for rank, (_, copy) in by_rank.items():
+                assert_close_relative(copy, by_rank[0][1], rel=1e-6, msg=f"{key[0]}: split rank {rank}'s copy")
         joined[key] = unshard([by_rank[r][1] for r in sorted(by_rank)], spec)
     return joined
 

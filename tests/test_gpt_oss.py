@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from tests.harness import run_on_ranks
-from tests.helpers import HF_VOCAB, convert, perturb_biases_and_norms
+from tests.helpers import HF_VOCAB, assert_run_matches, convert, join_shards, perturb_biases_and_norms
 from tests.test_hf_conversion import (
     _ep2_tp2,
     _tp2_pp2,
@@ -24,6 +24,7 @@ from tests.test_hf_conversion import (
     our_logits,
     read_text,
 )
+from tests.test_window_and_sinks import GPT_OSS_LIKE
 from tests.tolerances import assert_close_relative
 
 # gpt-oss's YaRN, which does not round its band (truncate: false), from a 32-token context: rounding would move the
@@ -136,3 +137,102 @@ def test_the_converted_model_at_ep2_tp2_gives_transformers_logits_and_greedy_ids
     ids = torch.randint(0, HF_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
     per_rank = run_on_ranks(4, _ep2_tp2, _cases(mlite_dir), ids, 6)
     assert_ranks_give_transformers_logits_and_greedy_ids(per_rank, "gpt_oss", hf_dir, ids, 6)
+
+
+# gpt-oss's network, tiny: biased linears (router and experts included), sinks, alternating windows, YaRN unrounded,
+# the clamped quick-GELU unit (a clamp the activations reach), documents packed into the sequences
+GPT_OSS_MOE = {**GPT_OSS_LIKE, "swiglu": False, "quick_geglu": True, "glu_linear_offset": 1.0,
+               "activation_func_clamp_value": 0.5, "position_embedding_type": "yarn", "rotary_scaling_factor": 8.0,
+               "yarn_original_max_position_embeddings": 8, "yarn_correction_range_round_to_int": False,
+               "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.01}
+EXPERT_LAYOUTS = {  # on 4 ranks, attention at TP2 + SP
+    "ep2_etp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2},
+    "ep2_etp1_folded": {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+                        "expert_tensor_parallel_size": 1},
+}
+
+
+def _run(values: dict, world_size: int) -> tuple:
+    """((losses, final weights, last gradients), gradient norms) of training `values`."""
+    from tests.helpers import parameter_records, pretrain_keeping_chunks
+
+    history, chunks = pretrain_keeping_chunks(values, world_size)
+    return (([h["lm_loss"] for h in history], parameter_records(chunks, lambda p: p),
+             parameter_records(chunks, lambda p: p.main_grad)), [h["grad_norm"] for h in history])
+
+
+def _train_expert_layouts() -> dict:
+    return {name: _run({**GPT_OSS_MOE, **flags}, 4) for name, flags in EXPERT_LAYOUTS.items()}
+
+
+def test_an_moe_with_expert_biases_trains_as_one_process_at_ep2_with_etp2_and_folded():
+    """Losses, gradient norms (each replicated fc2 bias counted once), final weights and last gradients of every
+    expert bias equal one process's: fc2's bias is added by one ETP rank and its gradient is whole on each."""
+    expected, norms = _run(GPT_OSS_MOE, 1)
+    per_rank = run_on_ranks(4, _train_expert_layouts)
+    for name in EXPERT_LAYOUTS:
+        assert_run_matches([runs[name][0] for runs in per_rank], expected, rel=1e-5, tensor_rel=1e-4)
+        for runs in per_rank:
+            assert runs[name][1] == pytest.approx(norms, rel=1e-5), name
+    bias_grads = [grad for (name, _), grad in join_shards([expected[2]]).items() if ".experts." in name
+                  and name.endswith("bias")]
+    assert len(bias_grads) == 4 * 4 * 2 and all(grad.abs().max() > 0 for grad in bias_grads)
+
+
+def test_the_planner_counts_the_expert_and_router_biases_each_rank_builds():
+    """Parameter shapes in module order at TP2 = ETP2 (fc1's bias split with its rows, fc2's whole)."""
+    import pretrain_gpt
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.config.layer_split import model_chunk_plans
+    from megatron_lite.parallel.state import Layout, ParallelState
+    from megatron_lite.planning.state_memory import chunk_params
+
+    config = make_config({**GPT_OSS_MOE, "tensor_model_parallel_size": 2, "sequence_parallel": True}, 2)
+    (plan,) = model_chunk_plans(config, 0)
+    model = pretrain_gpt.model_provider(config, ParallelState.without_groups(Layout.from_world(2, tp=2), 0), plan,
+                                        torch.device("cpu"))
+    shapes = chunk_params(config, plan)
+    assert [shape.numel for shape in shapes] == [p.numel() for p in model.parameters()]
+    biases = [(shape, name) for shape, (name, _) in zip(shapes, model.named_parameters()) if name.endswith("bias")]
+    assert all(not shape.muon for shape, _ in biases) and any(".experts." in name for _, name in biases)
+
+
+# openai/gpt-oss-20b's and -120b's config.json: the keys that shape the network
+_PUBLISHED_COMMON = {"model_type": "gpt_oss", "attention_bias": True, "head_dim": 64, "hidden_act": "silu",
+                     "hidden_size": 2880, "intermediate_size": 2880, "max_position_embeddings": 131072,
+                     "num_attention_heads": 64, "num_experts_per_tok": 4, "num_key_value_heads": 8,
+                     "rms_norm_eps": 1e-5, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                            "original_max_position_embeddings": 4096,
+                                                            "rope_type": "yarn", "truncate": False},
+                     "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+                     "vocab_size": 201088}
+PUBLISHED = {
+    "gpt-oss-20b": {**_PUBLISHED_COMMON, "num_hidden_layers": 24, "num_local_experts": 32,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12},
+    "gpt-oss-120b": {**_PUBLISHED_COMMON, "num_hidden_layers": 36, "num_local_experts": 128,
+                     "layer_types": ["sliding_attention", "full_attention"] * 18},
+}
+# (total, activated): transformers' counts of the configs above (GptOssForCausalLM on the meta device); OpenAI's
+# figures are 21B and 3.6B, 117B and 5.1B, activated without the input embedding
+COUNTS = {"gpt-oss-20b": (20_914_757_184, 4_187_440_704), "gpt-oss-120b": (116_829_156_672, 5_711_982_912)}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_presets_have_the_published_shapes_and_parameter_counts(preset):
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.config.layer_pattern import window_attention_pattern
+    from megatron_lite.config.presets import MODEL_PRESETS
+    from megatron_lite.hf.configs import model_values_from_hf
+    from megatron_lite.hf.weights import hf_shapes
+
+    published = make_config({**model_values_from_hf(PUBLISHED[preset]), "mock_data": True, "seq_length": 4096}).model
+    m = make_config({"model_preset": preset, "mock_data": True}).model
+    for key in MODEL_PRESETS[preset]:
+        if key not in ("seq_length", "window_attn_skip_freq", "moe_aux_loss_coeff"):
+            assert getattr(m, key) == getattr(published, key), key
+    assert window_attention_pattern(m) == window_attention_pattern(published) == [True, False] * (m.num_layers // 2)
+    shapes = {name: torch.Size(shape).numel() for name, shape in hf_shapes("gpt_oss", m).items()}
+    total, activated = COUNTS[preset]
+    assert sum(shapes.values()) == total
+    routed = sum(n for name, n in shapes.items() if ".mlp.experts." in name)
+    assert total - routed * (1 - m.moe_router_topk / m.num_experts) == activated

@@ -37,6 +37,20 @@ _QWEN3_NEXT_MOE = {
     "moe_aux_loss_coeff": 0.001,
 }
 
+# gpt-oss: 64 query heads of 64 over 8 key/value groups at hidden size 2880, biases in every linear, a learned sink
+# per head, a 128-token window (127 keys before the query) on every other layer from the first, YaRN stretching a
+# 4K context 32 times without rounding its band, experts of 2880 with the clamped quick-GELU unit, 4 per token
+# routed by a softmax over the top 4 logits; Megatron-LM's gpt-oss recipe trains with no balancing loss
+_GPT_OSS = {
+    **_LLAMA, "swiglu": False, "quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0,
+    "disable_bias_linear": False, "softmax_type": "learnable", "window_size": [127, 0], "window_attn_skip_freq": 2,
+    "position_embedding_type": "yarn", "rotary_base": 150000.0, "rotary_scaling_factor": 32.0,
+    "yarn_original_max_position_embeddings": 4096, "yarn_correction_range_round_to_int": False,
+    "hidden_size": 2880, "ffn_hidden_size": 2880, "moe_ffn_hidden_size": 2880, "num_attention_heads": 64,
+    "kv_channels": 64, "num_query_groups": 8, "vocab_size": 201088, "seq_length": 4096,
+    "max_position_embeddings": 131072, "norm_epsilon": 1e-5, "moe_router_topk": 4,
+}
+
 MODEL_PRESETS: dict[str, dict] = {
     "gpt2-124m": {
         "num_layers": 12, "hidden_size": 768, "ffn_hidden_size": 3072, "num_attention_heads": 12,
@@ -134,6 +148,13 @@ MODEL_PRESETS: dict[str, dict] = {
         **_QWEN3_NEXT, **_QWEN3_NEXT_MOE, "num_layers": 40, "hidden_size": 2048, "ffn_hidden_size": 512,
         "num_query_groups": 2, "vocab_size": 248320, "num_experts": 256, "moe_router_topk": 8,
     },
+    # openai/gpt-oss-20b's config.json: 24 layers of 32 experts. 20,914,757,184 parameters (transformers' count of
+    # that config; published: 21B), 4.19B activated with both vocabulary tables, 3.61B without the input embedding
+    # (published: 3.6B).
+    "gpt-oss-20b": {**_GPT_OSS, "num_layers": 24, "num_experts": 32},
+    # openai/gpt-oss-120b's config.json: 36 layers of 128 experts. 116,829,156,672 parameters (published: 117B),
+    # 5.71B activated, 5.13B without the input embedding (published: 5.1B).
+    "gpt-oss-120b": {**_GPT_OSS, "num_layers": 36, "num_experts": 128},
     "mixtral-tiny": {
         **_LLAMA, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 256, "num_attention_heads": 4,
         "num_query_groups": 2, "seq_length": 128, "max_position_embeddings": 128, "vocab_size": 1024,
