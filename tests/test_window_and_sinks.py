@@ -1,8 +1,8 @@
 """Sliding-window attention (--window-size, --window-attn-skip-freq) and attention sinks (--softmax-type), as
 gpt-oss has them: the attention equals its definition computed query by query (forward and gradients, with
 packed documents and grouped heads); a model with both trains as one process at TP2 (sinks split with their
-heads) and PP2; cached decoding equals the full forward; the window pattern is Megatron's; bad values are one
-line each."""
+heads), PP2 and CP2 of each --cp-comm-type, with documents; cached decoding equals the full forward; the window
+pattern is Megatron's; bad values are one line each."""
 
 from __future__ import annotations
 
@@ -73,17 +73,25 @@ def test_window_attn_skip_freq_is_megatrons_pattern():
     assert pattern(None) == [True] * 4
 
 
+LAYOUTS = {  # on 2 ranks; under CP the 5-key windows and the documents cross the ranks' 8-token chunks
+    "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "pp2": {"pipeline_model_parallel_size": 2},
+    **{f"cp2_{kind}": {"context_parallel_size": 2, "cp_comm_type": kind} for kind in ("p2p", "allgather", "a2a")},
+    "cp2_a2a+p2p": {"context_parallel_size": 2, "cp_comm_type": "a2a+p2p",
+                    "hierarchical_context_parallel_sizes": [2, 1]},
+}
+
+
 def _train_layouts() -> dict:
-    return {name: train_and_collect({**GPT_OSS_LIKE, **flags}, 2) for name, flags in (
-        ("tp2_sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
-        ("pp2", {"pipeline_model_parallel_size": 2}))}
+    return {name: train_and_collect({**GPT_OSS_LIKE, **flags}, 2) for name, flags in LAYOUTS.items()}
 
 
-def test_windows_and_sinks_train_as_one_process_at_tp2_and_pp2():
-    """The learned sinks move (their gradients are compared too) and are split over TP with the heads."""
+def test_windows_and_sinks_train_as_one_process_at_tp2_pp2_and_cp2_of_each_type():
+    """The learned sinks move (their gradients are compared too) and are split over TP with the heads (and over CP
+    by a2a)."""
     expected = train_and_collect(GPT_OSS_LIKE, 1)
     per_rank = run_on_ranks(2, _train_layouts)
-    for name in ("tp2_sp", "pp2"):
+    for name in LAYOUTS:
         assert_run_matches([runs[name] for runs in per_rank], expected, rel=1e-5, tensor_rel=1e-4)
     sink_grads = [tensor for (name, _), tensor in join_shards([expected[2]]).items() if name.endswith("sinks")]
     assert len(sink_grads) == 4 and all(grad.abs().max() > 0 for grad in sink_grads)
@@ -103,7 +111,6 @@ def test_cached_decoding_with_windows_and_sinks_equals_the_full_forward():
 
 @pytest.mark.parametrize("values,message", [
     ({"window_size": [5, 2]}, r"window-size \[5, 2\] must be LEFT 0"),
-    ({"context_parallel_size": 2}, "--window-size does not run under context parallelism yet"),
     ({"window_size": None, "window_attn_skip_freq": None, "attention_dropout": 0.1},
      "--softmax-type learnable needs --attention-dropout 0"),
     ({"window_attn_skip_freq": "[1,0]"}, r"--window-attn-skip-freq '\[1,0\]': the pattern has 2 entries for 4"),

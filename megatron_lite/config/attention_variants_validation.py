@@ -35,7 +35,7 @@ def _softmax_option_problems(config: Config) -> list[str]:
 
 
 def _window_and_sink_problems(config: Config) -> list[str]:
-    m, p = config.model, config.parallel
+    m = config.model
     window, sinks = m.window_size, m.softmax_type != "vanilla"
     if window is None and not sinks:
         return []
@@ -44,8 +44,6 @@ def _window_and_sink_problems(config: Config) -> list[str]:
         problems.append(f"window-size {window} must be LEFT 0 with LEFT >= 0 (a causal decoder sees no key after "
                         f"the query)")
     what = "--window-size" if window is not None else f"--softmax-type {m.softmax_type}"
-    if p.context_parallel_size > 1:
-        problems.append(f"{what} does not run under context parallelism yet; use --context-parallel-size 1")
     if m.multi_latent_attention:
         problems.append(f"{what} is not built for multi-latent attention; drop one of them")
     if m.attention_dropout > 0:

@@ -389,14 +389,14 @@ class RingAttention(torch.autograd.Function):
 # All-gather attention
 
 
-def _chunks_to_sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
+def chunks_to_sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
     """[cp * s/cp, ...] gathered in rank order (each rank's chunks r, 2cp-1-r) -> [s, ...] in sequence order."""
     by_rank = gathered.view(cp, 2, -1, *gathered.shape[1:])
     return torch.cat((by_rank[:, 0], by_rank[:, 1].flip(0))).flatten(0, 1)
 
 
 def _chunks_to_rank_order(sequence: torch.Tensor, cp: int) -> torch.Tensor:
-    """Inverse of `_chunks_to_sequence_order`."""
+    """Inverse of `chunks_to_sequence_order`."""
     chunks = sequence.view(2 * cp, -1, *sequence.shape[1:])
     return torch.stack((chunks[:cp], chunks[cp:].flip(0)), dim=1).flatten(0, 2)
 
@@ -404,7 +404,7 @@ def _chunks_to_rank_order(sequence: torch.Tensor, cp: int) -> torch.Tensor:
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp: int) -> torch.Tensor:
     """k/v [b, s/cp, ng, d] -> the whole sequence's [2, b, s, ng, d], in sequence order."""
     local = torch.stack((k, v)).permute(2, 0, 1, 3, 4)  # [s/cp, 2, b, ng, d]: sequence first to gather
-    return _chunks_to_sequence_order(mappings.all_gather_dim0(local, group), cp).permute(1, 2, 0, 3, 4)
+    return chunks_to_sequence_order(mappings.all_gather_dim0(local, group), cp).permute(1, 2, 0, 3, 4)
 
 
 def _allgather_blocks(rank: int, cp: int, local_length: int, document_ids: torch.Tensor | None) -> list[_Block]:
@@ -466,7 +466,7 @@ def sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     b, local, n, d = x.shape
     by_head_group = x.reshape(b, local, cp, n // cp, d).permute(2, 1, 0, 3, 4).flatten(0, 1)  # [cp*s/cp, b, n/cp, d]
     received = mappings.all_to_all(by_head_group.contiguous(), group, [local] * cp, [local] * cp)  # rank order
-    return _chunks_to_sequence_order(received, cp).permute(1, 0, 2, 3)
+    return chunks_to_sequence_order(received, cp).permute(1, 0, 2, 3)
 
 
 def heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:

@@ -36,6 +36,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.context_parallel import context_parallel_attention
 from megatron_lite.model.attention.window_and_sinks import window_sink_attention
+from megatron_lite.model.attention.window_context_parallel import context_parallel_window_sink_attention
 from megatron_lite.model.attention.yarn import YarnScaling
 from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.normalization import apply_norm
@@ -414,7 +415,12 @@ class SelfAttention(torch.nn.Module):
             sinks = self.sinks if self.softmax_type == "learnable" else (
                 q.new_zeros(q.shape[2]) if self.softmax_type == "off-by-one" else None)
             documents = positions.documents.ids if positions.documents is not None else None
-            out = window_sink_attention(q, k, v, window=self.window, sinks=sinks, document_ids=documents)
+            cp_group = self.core_attention.cp_group
+            if cp_group is not None:
+                out = context_parallel_window_sink_attention(q, k, v, cp_group, self.core_attention.cp_comm_type,
+                                                             window=self.window, sinks=sinks, document_ids=documents)
+            else:
+                out = window_sink_attention(q, k, v, window=self.window, sinks=sinks, document_ids=documents)
         elif kv_cache is not None:
             out = cached_causal_attention(q, k, v)
         elif self.recompute_core_attention and self.training:
