@@ -236,3 +236,27 @@ def test_presets_have_the_published_shapes_and_parameter_counts(preset):
     assert sum(shapes.values()) == total
     routed = sum(n for name, n in shapes.items() if ".mlp.experts." in name)
     assert total - routed * (1 - m.moe_router_topk / m.num_experts) == activated
+
+
+def test_model_flops_count_the_keys_a_window_lets_a_query_see():
+    """The forward's matrix products as torch's FLOP counter sees them, with each attention's keys from the
+    definition: a windowed layer's query sees LEFT + 1 = 6 keys of the 32, a full layer's all 32 (the attention
+    of sinks materialises its scores whole, so the counter sees 32 keys in every layer)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.model.flops import training_flops_per_token
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.state import ParallelState
+
+    dense = {key: value for key, value in GPT_OSS_MOE.items() if not key.startswith(("num_experts", "moe_"))}
+    m = make_config({**dense, "reset_attention_mask": False}).model
+    model = GPTModel(m, ParallelState.single(), padded_vocab=m.vocab_size, seed=1)
+    s, heads_dims = m.seq_length, m.num_attention_heads * m.head_dim
+    ids = torch.randint(0, m.vocab_size, (2, s))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(ids, torch.arange(s), labels=ids)
+    windowed, full = 2, 2
+    counted = counter.get_total_flops() / (2 * s) - (windowed + full) * 4 * s * heads_dims
+    counted += windowed * 4 * (m.window_size[0] + 1) * heads_dims + full * 4 * s * heads_dims
+    assert training_flops_per_token(m) / 3 == pytest.approx(counted, rel=1e-12)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_lite.config.layer_pattern import linear_attention_pattern
+from megatron_lite.config.layer_pattern import linear_attention_pattern, window_attention_pattern
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.mla import mla_projection_weights
 from megatron_lite.model.linear_attention.delta_rule import CHUNK_SIZE
@@ -34,7 +34,8 @@ def training_flops_per_token(config: ModelConfig) -> float:
     Forward: 2 FLOPs per weight of every linear layer (QKV and the output gate's rows, attention output, MLP or
     the top-k experts a token visits and the shared expert, output layer) plus the attention scores and weighted sum,
     2 * 2 * seq * hidden per layer (the full square, as Megatron counts it; heads x head size stands for
-    hidden where --kv-channels sets another head size; with multi-latent attention its projections, and
+    hidden where --kv-channels sets another head size; a layer with --window-size LEFT 0 counts the LEFT + 1 keys
+    a query may see, where fewer than seq; with multi-latent attention its projections, and
     2 * seq * heads * (query-key + value head dims); a Gated DeltaNet layer instead its projections and
     `gated_delta_net_flops`' products); each multi-token prediction depth adds its 2h -> h
     projection, a layer (with the last decoder layer's kind of MLP) and the output layer. Backward costs twice
@@ -58,13 +59,16 @@ def training_flops_per_token(config: ModelConfig) -> float:
             moe_mlp += mlp_matrices * h * config.moe_shared_expert_intermediate_size + h * config.moe_shared_expert_gate
     mlp_of = {number: moe_mlp for number in moe_layer_numbers(config)}  # MoE layers, MTP layers included
     mlp_weights = sum(mlp_of.get(number, dense_mlp) for number in range(L))
-    linear_layers = sum(linear_attention_pattern(config))
-    softmax_layers = L - linear_layers
+    linear = linear_attention_pattern(config)
+    softmax_layers = L - sum(linear)
     forward = 2 * (softmax_layers * attention_weights + mlp_weights + h * config.vocab_size)
     forward += softmax_layers * attention_square
-    if linear_layers:
+    if config.window_size is not None:  # the windowed softmax layers' queries see LEFT + 1 keys, not seq
+        windowed = sum(w and not is_linear for w, is_linear in zip(window_attention_pattern(config), linear))
+        forward -= windowed * 4 * (s - min(config.window_size[0] + 1, s)) * q
+    if any(linear):
         linear_weights, mixing = gated_delta_net_flops(config)
-        forward += linear_layers * (2 * linear_weights + mixing)
+        forward += sum(linear) * (2 * linear_weights + mixing)
     for number in range(L, L + (config.mtp_num_layers or 0)):
         forward += 2 * (2 * h * h + attention_weights + mlp_of.get(number, dense_mlp) + h * config.vocab_size)
         forward += attention_square
