@@ -2,7 +2,8 @@
 gpt-oss has them: the attention equals its definition computed query by query (forward and gradients, with
 packed documents and grouped heads); a model with both trains as one process at TP2 (sinks split with their
 heads), PP2 and CP2 of each --cp-comm-type, with documents; cached decoding equals the full forward; the window
-pattern is Megatron's; bad values are one line each."""
+pattern is Megatron's; the planner's saved bytes of the attention (windowed, with sinks, with an output gate) are
+what autograd saves; bad values are one line each."""
 
 from __future__ import annotations
 
@@ -151,3 +152,44 @@ def test_the_gated_unit_options_need_a_gated_unit_and_quick_geglu_excludes_swigl
         make_config({**TINY_2_LAYERS, "swiglu": False, "activation_func_clamp_value": 7.0})
     with pytest.raises(ConfigError, match="--quick-geglu and --swiglu exclude each other"):
         make_config({**TINY_2_LAYERS, "quick_geglu": True})
+
+
+ATTENTIONS = {"fused": {}, "window": {"window_size": [5, 0]}, "sinks": {"softmax_type": "learnable"},
+              "window_and_sinks": {"window_size": [5, 0], "softmax_type": "learnable"},
+              "output_gate": {"attention_output_gate": True},
+              "output_gate_and_sinks": {"attention_output_gate": True, "softmax_type": "learnable"}}
+
+
+MATERIALISED = ("window", "sinks", "window_and_sinks", "output_gate_and_sinks")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("attention,batch,documents", [
+    *[(attention, batch, False) for attention in ATTENTIONS for batch in (1, 2)],
+    *[(attention, 2, True) for attention in MATERIALISED]])  # the fused kernel's document path is another's test
+def test_the_planned_softmax_attention_bytes_are_what_autograd_saves(attention, batch, documents, bf16):
+    """One layer's attention at s 32 (the materialised scores grow with s^2, so one length is compared whole): the
+    planner's bytes plus the RoPE cos and sin tables, which the planner counts once per model chunk; the layer's
+    input and the parameters are left out."""
+    from megatron_lite.model.attention.self_attention import Documents, SelfAttention, rotary_embedding
+    from megatron_lite.parallel.state import ParallelState
+    from megatron_lite.planning.activation_memory import softmax_attention_bytes
+    from tests.helpers import saved_bytes
+
+    values = {**TINY_2_LAYERS, "attention_dropout": 0.0, "micro_batch_size": batch, "bf16": bf16,
+              "reset_attention_mask": documents, **ATTENTIONS[attention]}
+    config = make_config(values)
+    m, dtype = config.model, torch.bfloat16 if bf16 else torch.float32
+    window = m.window_size[0] if m.window_size else None
+    layer = SelfAttention(m, ParallelState.single(), sequence_parallel=False, backend="sdpa", rng_tracker=None,
+                          window=window).to(dtype)
+    s = m.seq_length
+    positions = rotary_embedding(m)(torch.arange(s))
+    if documents:
+        ids = torch.tensor([[0] * 12 + [1] * (s - 12)] * batch)
+        positions = positions._replace(documents=Documents(ids, torch.device("cpu")))
+    x = torch.randn(s, batch, m.hidden_size, dtype=dtype, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
+    tables = 2 * 4 * s * m.head_dim
+    planned = softmax_attention_bytes(config, attention in MATERIALISED)
+    assert saved_bytes(layer, x, positions, skip) == planned + tables

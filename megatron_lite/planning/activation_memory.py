@@ -13,6 +13,15 @@ bf16/fp16, 4 in fp32) and tp-local widths:
   rotated q and k (RoPE)         e (nh + ng) d / tp; without RoPE the query copy e nh d / tp
   attention output               e nh d / tp (also the output projection's input) and a 4-byte
                                  log-sum-exp per head
+  output gate (Qwen3-Next)       its rows in the QKV output, e nh d / tp more; sigmoid(gate) and the gated
+                                 output, 2 e nh d / tp
+  materialised attention         a layer with a window, or any with sinks (window_and_sinks.py), instead of
+                                 the QKV output, rotated q and k, and log-sum-exp: an fp32 copy of q, k and v
+                                 repeated to the query heads in fp32 over the sequence's s keys, the fp32
+                                 probabilities over s keys (and the sink), 4 nh (s + 1) / tp, and the bool
+                                 mask, s x s per micro-batch (per sequence with documents); under context
+                                 parallelism the rank's s/cp queries over the gathered s keys, as p2p,
+                                 allgather and a2a+p2p save them (a2a keeps k and v of nh / cp heads instead)
   MLP                            fc1 output e c ffn / tp (c = 2 for SwiGLU), the activation's output
                                  e ffn / tp, and SwiGLU's product e ffn / tp
   MoE layer's MLP                the router's fp32 input, logits and scores (4 E) and top-k probabilities
@@ -77,7 +86,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config.layer_pattern import LayerKind, is_moe_layer, layer_kind, layer_kinds
+from megatron_lite.config.layer_pattern import (
+    LayerKind,
+    attention_window,
+    is_moe_layer,
+    layer_kind,
+    layer_kinds,
+    window_attention_pattern,
+)
 from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.config.sections import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
@@ -157,27 +173,61 @@ def gated_delta_net_bytes(config: Config) -> int:
 _DENSE_SOFTMAX = LayerKind()
 
 
-def layer_bytes(config: Config, kind: LayerKind = _DENSE_SOFTMAX) -> int:
+def softmax_attention_bytes(config: Config, materialised: bool) -> int:
+    """Bytes one micro-batch saves in softmax attention beyond the QKV projection's input (module docstring): by a
+    fused kernel, or `materialised` by window_and_sinks.py's attention (a layer with a window, or any with sinks)."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    e = param_bytes(config)
+    tokens = _tokens(config)[0]
+    d, nh, ng = m.head_dim, m.num_attention_heads // tp, m.num_query_groups // tp
+    gate = e * 2 * nh * d if m.attention_output_gate else 0  # sigmoid(gate) and the gated output
+    if not materialised:
+        lse = 0 if m.recompute_granularity == "selective" else FP32 * nh
+        query_rows = nh * (2 if m.attention_output_gate else 1)
+        per_token = e * (query_rows + 2 * ng) * d  # QKV output
+        per_token += e * (nh + ng) * d if m.position_embedding_type in ("rope", "yarn") else e * nh * d
+        return tokens * (per_token + e * nh * d + lse + gate)
+    keys = m.seq_length  # every query's row of scores spans the whole sequence (gathered under CP)
+    batch = config.training.micro_batch_size
+    sinks = m.softmax_type != "vanilla"
+    per_token = FP32 * nh * d + FP32 * nh * (keys + sinks) + e * nh * d + gate  # fp32 q, probabilities, output
+    key_values = 2 * FP32 * nh * d * batch * keys  # fp32 k and v, repeated to the query heads
+    mask = tokens // batch * keys * (batch if config.data.reset_attention_mask else 1)  # bool, shared by the rows
+    return tokens * per_token + key_values + mask
+
+
+def layer_bytes(config: Config, kind: LayerKind = _DENSE_SOFTMAX, materialised: bool = False) -> int:
     """Bytes one micro-batch saves in one transformer layer of `kind` (an MoE layer's MLP as moe_mlp_bytes, a
-    Gated DeltaNet's as gated_delta_net_bytes) without recomputation."""
+    Gated DeltaNet's as gated_delta_net_bytes, softmax attention as softmax_attention_bytes, `materialised` or
+    not) without recomputation."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     e = param_bytes(config)
     tokens, stream = _tokens(config)
-    h, d, nh, ng = m.hidden_size, m.head_dim, m.num_attention_heads // tp, m.num_query_groups // tp
-    moe = kind.moe
+    h, nh = m.hidden_size, m.num_attention_heads // tp
     per_token = e * h  # QKV input
-    lse = 0 if m.recompute_granularity == "selective" else FP32 * nh
+    attention = 0
     if kind.linear_attention:
         per_token += gated_delta_net_bytes(config)
     elif m.multi_latent_attention:
-        per_token += latent_attention_bytes(config) + lse
+        per_token += latent_attention_bytes(config) + (0 if m.recompute_granularity == "selective" else FP32 * nh)
     else:
-        per_token += e * (nh + 2 * ng) * d  # QKV output
-        per_token += e * (nh + ng) * d if m.position_embedding_type in ("rope", "yarn") else e * nh * d
-        per_token += e * nh * d + lse
+        attention = softmax_attention_bytes(config, materialised)
     widths = 4 if m.gated_linear_unit else 2  # fc1 output (2 ffn wide gated), the activation's output, the product
-    mlp = moe_mlp_bytes(config) if moe else tokens * e * (h + m.ffn_hidden_size // tp * widths)
-    return tokens * per_token + mlp + stream * 2 * _norm_bytes(config, e)
+    mlp = moe_mlp_bytes(config) if kind.moe else tokens * e * (h + m.ffn_hidden_size // tp * widths)
+    return tokens * per_token + attention + mlp + stream * 2 * _norm_bytes(config, e)
+
+
+def _materialised(config: Config, layer_number: int) -> bool:
+    """Whether global layer `layer_number`'s softmax attention is window_and_sinks.py's."""
+    m = config.model
+    return m.softmax_type != "vanilla" or attention_window(m, layer_number) is not None
+
+
+def layer_keys(config: Config) -> list[tuple[LayerKind, bool]]:
+    """What decides each decoder layer's saved bytes: its kind, and whether its attention is materialised."""
+    m = config.model
+    materialised = [m.softmax_type != "vanilla" or windowed for windowed in window_attention_pattern(m)]
+    return list(zip(layer_kinds(m), materialised))
 
 
 def moe_mlp_bytes(config: Config) -> int:
@@ -239,7 +289,8 @@ def mtp_bytes(config: Config) -> int:
     e = param_bytes(config)
     tokens, stream = _tokens(config)
     per_depth = (2 * tokens * INDEX + 2 * stream * _norm_bytes(config, e) + tokens * e * 2 * m.hidden_size
-                 + layer_bytes(config, layer_kind(m, m.num_layers)) + head_bytes(config)[0])
+                 + layer_bytes(config, layer_kind(m, m.num_layers), _materialised(config, m.num_layers))
+                 + head_bytes(config)[0])
     return m.mtp_num_layers * per_depth
 
 
@@ -284,7 +335,7 @@ class _LayoutTerms:
     """What every stage of a layout shares: the bytes each kind of layer saves, the head's (saved, transient)
     and multi-token prediction's bytes, backward's gradients and FP8's buffers."""
 
-    layers: dict[LayerKind, int]
+    layers: dict[tuple[LayerKind, bool], int]  # by layer_keys' key
     head: tuple[int, int]
     mtp: int
     backward_gradients: int
@@ -292,7 +343,7 @@ class _LayoutTerms:
 
     @classmethod
     def of(cls, config: Config) -> _LayoutTerms:
-        return cls({kind: layer_bytes(config, kind) for kind in set(layer_kinds(config.model))}, head_bytes(config),
+        return cls({key: layer_bytes(config, *key) for key in set(layer_keys(config))}, head_bytes(config),
                    mtp_bytes(config), _backward_gradients(config), fp8_gemm_bytes(config))
 
 
@@ -306,7 +357,7 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
     chunks = model_chunk_plans(config, pp_rank)
     chunk_saved, rebuild = [], 0
     terms = per_config(config, "activation terms", lambda: _LayoutTerms.of(config))
-    pattern = layer_kinds(m)
+    pattern = layer_keys(config)
     for chunk in chunks:
         recomputed = _recomputed_layers(config, chunk.num_layers)
         layers = [terms.layers[pattern[number]]
