@@ -3,7 +3,8 @@ head, sliding windows on alternate layers, YaRN without rounding its band, and t
 models (with and without YaRN, all layers windowed or alternating) convert to ours with transformers' logits in one
 process, at TP2 x PP2 and at EP2 x TP2 (with greedy ids); greedy generation with the KV cache equals `generate`;
 HF -> ours -> HF is tensor-identical; the presets have the published parameter counts; an MoE with expert biases
-trains as one process at EP2 x ETP2 with sequence parallelism."""
+trains as one process at EP2 with expert TP2 and folded; the planner and the model FLOPs count what the model
+builds and does; what cannot be converted exactly is one line."""
 
 from __future__ import annotations
 
@@ -260,3 +261,30 @@ def test_model_flops_count_the_keys_a_window_lets_a_query_see():
     counted = counter.get_total_flops() / (2 * s) - (windowed + full) * 4 * s * heads_dims
     counted += windowed * 4 * (m.window_size[0] + 1) * heads_dims + full * 4 * s * heads_dims
     assert training_flops_per_token(m) / 3 == pytest.approx(counted, rel=1e-12)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"quantization_config": {"quant_method": "mxfp4"}}, r"experts are quantized \(mxfp4\); dequantize the checkpoint "
+                                                         r"to bf16 first"),
+    ({"swiglu_alpha": 1.5}, r"a swiglu_alpha \(1.5\) other than 1.702 is not supported"),
+    ({"attention_bias": False}, "a gpt_oss without attention biases is not supported"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types .* is not supported"),
+])
+def test_gpt_oss_configs_that_cannot_be_converted_exactly_are_one_line(change, message):
+    from megatron_lite.hf.configs import ConversionError, model_values_from_hf
+
+    with pytest.raises(ConversionError, match=message) as error:
+        model_values_from_hf({**PUBLISHED["gpt-oss-20b"], "num_hidden_layers": 2, **change})
+    assert "\n" not in str(error.value)
+
+
+def test_a_network_gpt_oss_cannot_hold_is_refused_on_export_in_one_line():
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.hf.configs import ConversionError, family_of_model
+
+    m = make_config({**GPT_OSS_MOE, "softmax_type": "vanilla", "disable_bias_linear": True}).model
+    with pytest.raises(ConversionError, match=r"gpt_oss \(the one with --window-size, --quick-geglu, "
+                                              r"--glu-linear-offset, --activation-func-clamp-value\) needs biases "
+                                              r"\(no --disable-bias-linear\) and --softmax-type learnable"):
+        family_of_model(m)
+    assert family_of_model(make_config(GPT_OSS_MOE).model) == "gpt_oss"

@@ -13,13 +13,18 @@ from __future__ import annotations
 
 from megatron_lite.config.layer_pattern import moe_layer_pattern, window_attention_pattern
 from megatron_lite.config.sections import ModelConfig
-from megatron_lite.hf.llama_config import llama_config, llama_values, refuse, required, yarn_values
+from megatron_lite.hf.llama_config import ConversionError, llama_config, llama_values, refuse, required, yarn_values
 
 QUICK_GELU_ALPHA = 1.702  # the gate's sigmoid slope of --quick-geglu
 
 
 def gpt_oss_values(hf: dict) -> dict:
     """config.json of model_type gpt_oss -> values of pretrain_gpt.py's model flags."""
+    quantization = (hf.get("quantization_config") or {}).get("quant_method")
+    if quantization is not None:
+        raise ConversionError(f"config.json's experts are quantized ({quantization}); dequantize the checkpoint to "
+                              f"bf16 first (transformers: from_pretrained with Mxfp4Config(dequantize=True), then "
+                              f"save_pretrained)")
     refuse(not hf.get("attention_bias", True), "a gpt_oss without attention biases")
     refuse(float(hf.get("swiglu_alpha", QUICK_GELU_ALPHA)) != QUICK_GELU_ALPHA,
            f"a swiglu_alpha ({hf.get('swiglu_alpha')}) other than {QUICK_GELU_ALPHA}")
