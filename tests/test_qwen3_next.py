@@ -6,6 +6,7 @@ of layer) and at EP2 x TP2 (with greedy ids), and HF -> ours -> HF is tensor-ide
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -26,6 +27,8 @@ from tests.test_hf_conversion import (
 from tests.tolerances import assert_close_relative
 
 FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+QWEN3_5_VL = {"qwen3_5": ("qwen3_5_text", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+              "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
 
 
 def hf_config(family: str):
@@ -119,6 +122,30 @@ def test_hf_to_mlite_to_hf_is_tensor_identical(models, family, tmp_path):
     assert_same_safetensors(hf_dir, str(tmp_path / "back"))
     ids = torch.randint(0, HF_VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))
     assert torch.equal(hf_logits(str(tmp_path / "back"), ids), hf_logits(hf_dir, ids))  # its config.json too
+
+
+@pytest.mark.parametrize("family", QWEN3_5_VL)
+def test_a_qwen3_5_vision_language_checkpoint_converts_its_language_model(family, tmp_path, capfd):
+    """Qwen3.5 as published: the vision-language model, whose language model converts (the vision tower is left out
+    with a note); our logits equal the VL model's on text, and the export is the text model, with the same logits."""
+    import transformers
+
+    text_family, config_class, model_class = QWEN3_5_VL[family]
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(7)
+    config = getattr(transformers, config_class)(text_config=hf_config(text_family).to_dict(), vision_config=vision)
+    model = getattr(transformers, model_class)(config)
+    perturb_biases_and_norms(model)
+    model.save_pretrained(tmp_path / "hf")
+    convert("--direction", "hf-to-mlite", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "mlite"))
+    assert "the vision tower's" in capfd.readouterr().err
+    ids = torch.randint(0, HF_VOCAB, (2, 30), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        reference = model.eval()(ids).logits
+    assert_close_relative(our_logits(str(tmp_path / "mlite"), ids), reference, rel=1e-5)
+    convert("--direction", "mlite-to-hf", "--load-dir", str(tmp_path / "mlite"), "--save-dir", str(tmp_path / "back"))
+    assert json.loads(read_text(str(tmp_path / "back" / "config.json")))["model_type"] == text_family
+    assert_close_relative(hf_logits(str(tmp_path / "back"), ids), reference, rel=1e-5)
 
 
 def test_greedy_generation_with_the_recurrent_state_equals_transformers_generate(converted):

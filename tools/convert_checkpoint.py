@@ -1,4 +1,4 @@
-"""Convert checkpoints between Hugging Face (llama, qwen2, qwen3, gpt2, mixtral), Megatron-LM and megatron_lite.
+"""Convert checkpoints between Hugging Face (docs/huggingface.md lists the families), Megatron-LM and megatron_lite.
 
     python tools/convert_checkpoint.py --direction hf-to-mlite --load-dir hf/Llama-3.2-1B --save-dir ckpt/llama
     python tools/convert_checkpoint.py --direction mlite-to-hf --load-dir checkpoints/run1 --save-dir hf/run1
@@ -69,10 +69,14 @@ def hf_to_mlite(args) -> str:
     from megatron_lite.hf.checkpoint import model_flags, write_model_checkpoint
     from megatron_lite.hf.configs import ConversionError
 
-    hf_config = safetensors_files.read_hf_config(args.load_dir)
+    hf_config = configs.language_model_config(safetensors_files.read_hf_config(args.load_dir))
     family = configs.family_of_hf(hf_config)
     values = configs.model_values_from_hf(hf_config)
     hf = safetensors_files.HFWeights(args.load_dir)
+    vision = weights.vision_tower_names(hf.names)
+    if vision:
+        print(f"note: converting the language model only; the vision tower's {len(vision)} tensors are left out",
+              file=sys.stderr)
     hf.names = weights.normalize_hf_names(family, [n for n in hf.names if weights.is_weight(n)])
     if values.get("mtp_num_layers") and not weights.stored_mtp_modules(hf.names, values["num_layers"]):
         print(f"note: config.json names {values['mtp_num_layers']} multi-token prediction module(s) "

@@ -42,6 +42,21 @@ from megatron_lite.model.attention.yarn import YarnScaling, yarn_mscale
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3",
                          "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss")
 QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text")  # Qwen3-Next's network, the linear projections stored apart
+# Vision-language wrappers whose language model converts (as the text family; the vision tower does not)
+LANGUAGE_MODELS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def language_model_config(hf: dict) -> dict:
+    """The config.json of the language model: a vision-language wrapper's `text_config` as its text family's (the
+    wrapper's tie_word_embeddings where it gives one); any other config.json as it is."""
+    text_family = LANGUAGE_MODELS.get(hf.get("model_type"))
+    if text_family is None:
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConversionError(f"config.json of model_type {hf['model_type']} has no 'text_config' object")
+    tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "model_type": text_family, "tie_word_embeddings": tied}
 
 
 def family_of_hf(hf: dict) -> str:
@@ -49,7 +64,7 @@ def family_of_hf(hf: dict) -> str:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConversionError(f"unsupported model_type {model_type!r} in config.json; supported: "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                              f"{', '.join((*SUPPORTED_MODEL_TYPES, *LANGUAGE_MODELS))}")
     return model_type
 
 

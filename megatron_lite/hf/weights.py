@@ -33,11 +33,23 @@ def is_weight(hf_name: str) -> bool:
     return not hf_name.endswith(_NOT_WEIGHTS)
 
 
+# A vision-language model's language model and vision tower (transformers 5's names)
+_LANGUAGE_MODEL, _VISION_TOWER = "model.language_model.", "model.visual."
+
+
 def normalize_hf_names(family: str, names) -> dict[str, str]:
-    """{canonical name: name in the file}: GPT-2 files from the Hub omit save_pretrained's `transformer.`."""
-    if family != "gpt2":
-        return {name: name for name in names}
-    return {name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}": name for name in names}
+    """{canonical name: name in the file}: GPT-2 files from the Hub omit save_pretrained's `transformer.`; a
+    vision-language model's language model is read as the text model (`model.language_model.` -> `model.`) and
+    its vision tower left out (`vision_tower_names` counts it)."""
+    if family == "gpt2":
+        return {name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}": name
+                for name in names}
+    return {name.replace(_LANGUAGE_MODEL, "model.", 1) if name.startswith(_LANGUAGE_MODEL) else name: name
+            for name in names if not name.startswith(_VISION_TOWER)}
+
+
+def vision_tower_names(names) -> list[str]:
+    return [name for name in names if name.startswith(_VISION_TOWER)]
 
 
 Unit = list[tuple[Rule, dict]]
