@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lite.config.arguments import _CHOICES, ConfigError, build_parser, field_docs, make_config, parse_config
-from megatron_lite.config.flag_dependencies import RULES, STANDS_ALONE, Excludes, Needs
+from megatron_lite.config.flag_dependencies import RULES, STANDS_ALONE, AnyOf, Excludes, Needs
 from megatron_lite.config.presets import MODEL_PRESETS
 from megatron_lite.config.sections import Config
 
@@ -33,14 +33,14 @@ def test_the_flags_page_names_every_rule():
     for name, rules in RULES.items():
         assert f"`--{name.replace('_', '-')}`" in page, name
         for rule in rules:
-            for other in (rule.flags if isinstance(rule, Needs) else (rule.flag,)):
+            for other in (rule.flags if isinstance(rule, (Needs, AnyOf)) else (rule.flag,)):
                 assert f"`--{other.replace('_', '-')}" in page, (name, other)
 
 
 def test_every_rule_names_flags_that_exist():
     for name, rules in RULES.items():
         for rule in rules:
-            named = rule.flags if isinstance(rule, Needs) else (rule.flag,)
+            named = rule.flags if isinstance(rule, (Needs, AnyOf)) else (rule.flag,)
             assert set(named) <= FIELDS.keys(), (name, named)
             if isinstance(rule, Needs) and rule.values and rule.flags[0] in _CHOICES:
                 assert set(rule.values) <= set(_CHOICES[rule.flags[0]]), (name, rule.values)
@@ -87,6 +87,8 @@ def _breaking_values(rule) -> dict:
     defaults with what BASE sets (the assertion below checks that they fail it)."""
     if isinstance(rule, Excludes):
         return {rule.flag: _sample_value(rule.flag)}
+    if isinstance(rule, AnyOf):
+        return {key: value for condition in rule.conditions for key, value in _breaking_values(condition).items()}
     other = rule.flags[0]
     if rule.values and other in _CHOICES:
         return {other: next(choice for choice in _CHOICES[other] if choice not in rule.values)}

@@ -69,6 +69,10 @@ class AnyOf:
 
     conditions: tuple[Needs, ...]
 
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return tuple(flag for condition in self.conditions for flag in condition.flags)
+
     def holds(self, settings: dict) -> bool:
         return any(condition.holds(settings) for condition in self.conditions)
 
