@@ -32,6 +32,7 @@ __all__ = ["ConfigError", "build_parser", "field_docs", "make_config", "parse_co
 _CHOICES = {
     "experimental_attention_variant": ["gated_delta_net"],
     "softmax_type": ["vanilla", "learnable", "off-by-one"],
+    "fault_tolerance": ["torchft"],
     "normalization": ["LayerNorm", "RMSNorm"],
     "position_embedding_type": ["learned_absolute", "rope", "yarn"],
     "moe_token_dispatcher_type": ["alltoall", "allgather"],

@@ -104,8 +104,10 @@ _PROFILE = needs("profile")
 _LOAD = needs("load")
 _SAVE = needs("save")
 _CORPUS = Excludes("mock_data")
+_FT = needs("fault_tolerance")
 
 RULES: dict[str, tuple[Needs | AnyOf | Excludes, ...]] = {
+    **{name: (_FT,) for name in ("ft_replica_id", "ft_num_replica_groups", "ft_min_replica_size", "ft_lighthouse")},
     # model
     "num_query_groups": (needs("group_query_attention"),),
     "openai_gelu": (Excludes("swiglu"),),
@@ -232,6 +234,7 @@ STANDS_ALONE = frozenset({
     "calculate_per_token_loss",
     # --no-yarn-correction-range-round-to-int changes nothing without YaRN, and its default is on
     "yarn_correction_range_round_to_int",
+    "fault_tolerance",
     "seed", "device", "exit_signal_handler", "exit_interval", "exit_duration_in_mins", "distributed_timeout_minutes",
     "hang_timeout_seconds",
     "rerun_mode", "check_for_spiky_loss", "check_for_large_grads", "result_rejected_tracker_filename",

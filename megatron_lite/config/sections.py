@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_lite.config.attention_variants import AttentionVariantsConfig
+from megatron_lite.config.fault_tolerance import FaultToleranceConfig
 from megatron_lite.data.samplers import rampup_global_batch_size
 
 
@@ -412,7 +413,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(FaultToleranceConfig):
     micro_batch_size: int = 1
     """samples per forward and backward on one rank"""
     global_batch_size: int | None = None

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_lite.config.attention_variants_validation import attention_variant_problems
+from megatron_lite.config.fault_tolerance import fault_tolerance_problems
 from megatron_lite.config.flag_dependencies import dependency_problems
 from megatron_lite.config.fp8_validation import fp8_problems
 from megatron_lite.config.layer_pattern import moe_layer_pattern
@@ -285,6 +286,7 @@ def _run_problems(config: Config) -> list[str]:
         problems.append(f"min-lr ({o.min_lr}) must not exceed lr ({o.lr})")
     problems += _optimizer_problems(config)
     problems += _document_problems(config)
+    problems += fault_tolerance_problems(config)
     if t.hang_timeout_seconds and t.hang_timeout_seconds >= 60 * t.distributed_timeout_minutes:
         problems.append(f"--hang-timeout-seconds ({t.hang_timeout_seconds:g}) must be below the process-group "
                         f"timeout, --distributed-timeout-minutes x 60 ({60 * t.distributed_timeout_minutes:g}): "

@@ -272,6 +272,11 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.buffers:
             buffer.all_reduce_across_instances()
 
+    def reduced_gradients(self) -> list[torch.Tensor]:
+        """After finish_grad_sync: the tensors holding this rank's reduced gradients (whole buffers, or the
+        shards it owns), which a reduction across replica groups averages in place."""
+        return [shard for buffer in self.buffers for shard in buffer.reduced_shards()]
+
     def grad_buffer_square_sum(self) -> torch.Tensor:
         """The sum of squares of this rank's gradient buffers as they are now. Before finish_grad_sync they hold
         this rank's own gradients, except the buckets that --overlap-grad-reduce (or ZeRO-2/3, at the end of

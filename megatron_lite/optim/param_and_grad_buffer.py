@@ -241,15 +241,17 @@ class GradBuffer:
                 bucket.attach_params()
             start += size
 
+    def reduced_shards(self) -> list[torch.Tensor]:
+        """The gradients this rank holds reduced once the buckets' reductions have finished: ZeRO-2/3 keep only
+        the shards, all of `data`; ZeRO-1 each bucket's shard of its whole gradients; no_shard all of `data`."""
+        if self.stage.shards_grads or not self.stage.shards_optimizer_state:
+            return [self.data]
+        return [b.grad_data[b.shard_start:b.shard_start + b.shard_size] for b in self.buckets]
+
     def all_reduce_across_instances(self) -> None:
-        """Sum this rank's reduced shards with the other instances' copies (once the buckets' reductions have
-        finished): ZeRO-2/3 keep only the shards, all of `data`, one collective; ZeRO-1 one per bucket."""
+        """Sum this rank's reduced shards with the other instances' copies: one collective per shard."""
         group = self.inter_instance_group
         if group is None:
             return
-        if self.stage.shards_grads:
-            shards = [self.data]
-        else:
-            shards = [b.grad_data[b.shard_start:b.shard_start + b.shard_size] for b in self.buckets]
-        for handle in [mappings.start_all_reduce(shard, group) for shard in shards]:
+        for handle in [mappings.start_all_reduce(shard, group) for shard in self.reduced_shards()]:
             handle.wait()

@@ -37,6 +37,7 @@ from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.pipeline import schedules
 from megatron_lite.planning.report import theoretical_memory_report
 from megatron_lite.training import memory_snapshots
+from megatron_lite.training.fault_tolerance import ReplicaGroup, data_parallel_position
 from megatron_lite.training.hang_report import arm_flight_recorder, hang_timeout_s, start_watchdog, unwatched
 from megatron_lite.training.logging import TrainingLogger
 from megatron_lite.training.output_paths import check_written_locations
@@ -111,9 +112,10 @@ def setup_model_and_optimizer(config: Config, pstate: ParallelState, model_provi
 
 
 def _num_samples(config: Config) -> tuple[int, int, int]:
-    """Train, validation and test samples the run reads (evaluation batches are always --global-batch-size)."""
+    """Train, validation and test samples the run reads (evaluation batches are always --global-batch-size), of
+    the whole job's sample stream (replica groups each read their share, data_parallel_position)."""
     t = config.training
-    gbs = t.global_batch_size
+    gbs = t.global_batch_size * data_parallel_position(config, 0, 1)[2]
     train = t.train_iters * gbs if t.train_samples is None else t.train_samples
     evaluations = t.train_iters // t.eval_interval  # the loop evaluates every eval_interval iterations
     return train, evaluations * t.eval_iters * gbs, t.eval_iters * gbs
@@ -230,8 +232,8 @@ def build_data_iterator(dataset, config: Config, pstate: ParallelState, consumed
     training for the same cores."""
     if dataset is None or len(dataset) == 0:
         return None
-    sampler = PretrainingSampler(len(dataset), consumed_samples, config.training.micro_batch_size,
-                                 pstate.dp_rank, pstate.dp_size)
+    rank, ranks, stride = data_parallel_position(config, pstate.dp_rank, pstate.dp_size)
+    sampler = PretrainingSampler(len(dataset), consumed_samples * stride, config.training.micro_batch_size, rank, ranks)
     from megatron_lite.data import raw_text
 
     if isinstance(dataset, raw_text.RawTextDataset):  # tokenized in the loader's workers, packed here
@@ -286,22 +288,28 @@ def reduce_mtp_losses(model, config: Config, pstate: ParallelState, device) -> l
 
 def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,
                pstate: ParallelState, iteration: int, device, timers: PhaseTimers | None = None,
-               consumed_samples: int | None = None, rerun: RerunStateMachine | None = None) -> dict:
+               consumed_samples: int | None = None, rerun: RerunStateMachine | None = None,
+               replica: ReplicaGroup | None = None) -> dict | None:
     """Forward and backward over one global batch, then one optimizer step. `rerun` judges the losses (LM, MTP
     depths, MoE auxiliary and z-losses) and gradient norm before the step is applied and may run the iteration
     again (rerun_state_machine.py; without it, only --check-for-nan-in-loss-and-grad applies: a non-finite loss
     or gradient norm stops the run).
     Every rank judges the same reduced values, so every rank decides alike. `timers` collects the time of
     each phase. The samples consumed before the step (default: `iteration` batches of --global-batch-size,
-    right without --rampup-batch-size) decide its global batch size, learning rate and weight decay."""
+    right without --rampup-batch-size) decide its global batch size, learning rate and weight decay. With a
+    `replica` group (--fault-tolerance) the reduced gradients are averaged over the live groups and the step is
+    applied only if they all completed it; else nothing is applied, the data and generators are rewound for the
+    iteration to run again, and None is returned."""
     timers = timers or PhaseTimers(torch.device("cpu"))
     rerun = rerun or RerunStateMachine(config, pstate.rank, mode="disabled")
     if consumed_samples is None:
         consumed_samples = iteration * config.training.global_batch_size
     global_batch_size = config.global_batch_size_at(consumed_samples)
-    rerun.start_iteration(model, device, data_iterator)
+    rerun.start_iteration(model, device, data_iterator, replayable=replica is not None)
     RECORD.set_step("the start of the step", iteration + 1)
     while True:
+        if replica is not None:
+            replica.start_step()
         for chunk in model:
             chunk.zero_grad_buffer()
         with timers.phase("forward_backward"):
@@ -312,6 +320,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
         RECORD.set_step("gradient reduction")
         with timers.phase("grad_reduce"):
             finalize_model_grads(model, pstate, tokens)
+            if replica is not None:
+                replica.average_gradients()
         mtp_losses = reduce_mtp_losses(model, config, pstate, device)
         moe_losses = moe_step_losses(model, pstate, config)
         RECORD.set_step("the optimizer step")
@@ -324,6 +334,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
         if not rerun.should_rerun(Result(lm_loss, grad_norm, fingerprint, judged), iteration, model, device,
                                   data_iterator):
             break
+    if replica is not None and not replica.commit():
+        rerun.replay(model, device, data_iterator)
+        return None
     with timers.phase("optimizer"):
         lr = learning_rate(config, consumed_samples)
         update_successful = optimizer.apply(lr, grad_norm, weight_decay(config, consumed_samples))
@@ -332,7 +345,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
     next_lr = learning_rate(config, consumed_samples + global_batch_size)
     return {"lm_loss": lm_loss, **(mtp_metrics(mtp_losses) if mtp_losses else {}), "grad_norm": grad_norm,
             "lr": next_lr, "global_batch_size": global_batch_size, "loss_scale": optimizer.loss_scale,
-            "skipped_iter": int(not update_successful)}
+            "skipped_iter": int(not update_successful),
+            **({"ft_participants": replica.participants} if replica is not None else {})}
 
 
 @torch.no_grad()
@@ -408,6 +422,11 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
     with initialization_skipped(loads_weights):  # a checkpoint overwrites every parameter: draw none
         model, optimizer = setup_model_and_optimizer(config, pstate, model_provider, device)
     resume = checkpointer.load_checkpoint(model, optimizer) if c.load else ResumeState()
+    replica = ReplicaGroup(config, pstate, model, optimizer, resume.iteration) if t.fault_tolerance else None
+    if replica is not None:  # a restarted group takes the live state from a peer in its first quorum
+        step = replica.start_step()
+        if step != resume.iteration:
+            resume = ResumeState(step, step * t.global_batch_size)
     consumed_samples = resume.consumed_samples
     streamed = _streamed(train_ds)
     if streamed is not None:
@@ -437,10 +456,19 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
         with (ExitSignalHandler(t.exit_signal_handler) as signal_handler,
               StepProfiler(config, pstate.rank, device, resume.iteration) as profiler):
             exit_conditions = ExitConditions(config, pstate, device, signal_handler)
-            for iteration in range(resume.iteration, t.train_iters):
+            iteration = resume.iteration
+            while iteration < t.train_iters:
+                step = replica.start_step() if replica is not None else iteration
+                if step != iteration:  # this group fell behind the live ones and took their state
+                    iteration = step
+                    consumed_samples = iteration * t.global_batch_size
+                    train_iterator = ReplayableIterator(timers.timed_iterator(
+                        build_data_iterator(train_ds, config, pstate, consumed_samples)))
                 profiler.step(iteration)
                 metrics = train_step(forward_step_func, train_iterator, model, optimizer, config, pstate,
-                                     iteration, device, timers, consumed_samples, rerun)
+                                     iteration, device, timers, consumed_samples, rerun, replica)
+                if metrics is None:  # the replica groups did not commit it: run it again
+                    continue
                 consumed_samples += metrics["global_batch_size"]
                 completed = iteration + 1
                 if watchdog is not None:
@@ -474,11 +502,14 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                     if pstate.rank == 0:
                         print(f" exiting at iteration {completed}: {reason}", flush=True)
                     break
+                iteration = completed
             if c.save:
                 checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer,
                                              loader_state(consumed_samples))
                 logger.log_checkpoint(completed)
     finally:
+        if replica is not None:
+            replica.shutdown()
         if watchdog is not None:
             watchdog.close()
         logger.close()

@@ -69,7 +69,9 @@ class ReplayableIterator:
         return item
 
     def mark(self) -> None:
-        self.taken, self.replay = [], []
+        """Start an iteration: what is taken from here on can be replayed (after items rewound and not yet
+        taken again, which come first)."""
+        self.taken = []
 
     def rewind(self) -> None:
         self.replay, self.taken = self.taken, []
@@ -131,15 +133,21 @@ class RerunStateMachine:
     # ------------------------------------------------------------------------------------------------
     # The state an iteration starts from
 
-    def start_iteration(self, model: list, device: torch.device, data_iterator) -> None:
-        """Remember what a rerun must start from (only when a rerun can happen)."""
+    def start_iteration(self, model: list, device: torch.device, data_iterator, replayable: bool = False) -> None:
+        """Remember what a rerun must start from (only when a rerun can happen, or `replayable`: when the
+        iteration may have to run again for another reason, see `replay`)."""
         self.first = None
-        if self.mode == "disabled":
+        if self.mode == "disabled" and not replayable:
             return
         if isinstance(data_iterator, ReplayableIterator):
             data_iterator.mark()
         self.saved = ({name: state.clone() for name, state in rng_states(model, device).items()},
                       moe_statistics(model))
+
+    def replay(self, model: list, device: torch.device, data_iterator) -> None:
+        """Make the next run of the iteration start where this one started: its data, generators and MoE
+        statistics (an iteration a replica group did not commit, training/fault_tolerance.py)."""
+        self._rewind(model, device, data_iterator)
 
     def _rewind(self, model: list, device: torch.device, data_iterator) -> None:
         states, statistics = self.saved
