@@ -1,7 +1,8 @@
-"""pretrain_gpt.py with one rank made to sleep inside a step: the subject of the hang report's tests.
+"""pretrain_gpt.py with test-only delays: the subject of the hang report's and the replica groups' tests.
 
-SLEEP_RANK sleeps SLEEP_SECONDS in its first forward of iteration SLEEP_ITERATION (1-based, as logged); without
-SLEEP_RANK this is pretrain_gpt.py itself."""
+SLEEP_RANK sleeps SLEEP_SECONDS in its first forward of iteration SLEEP_ITERATION (1-based, as logged); with
+PACE_SECONDS every forward sleeps that long first (a step rate the test can count on whatever the machine's
+load); without either this is pretrain_gpt.py itself."""
 
 import os
 import sys
@@ -16,6 +17,7 @@ plain_forward_step = pretrain_gpt.forward_step
 
 
 def forward_step(data_iterator, model):
+    time.sleep(float(os.environ.get("PACE_SECONDS", "0")))
     if (os.environ.get("SLEEP_RANK") == os.environ["RANK"]
             and RECORD.iteration == int(os.environ["SLEEP_ITERATION"])):
         time.sleep(float(os.environ.get("SLEEP_SECONDS", "600")))

@@ -1,0 +1,93 @@
+"""Launching pretrain_gpt.py replica groups and torchft's lighthouse as separate processes, as a user does: for
+tests/test_fault_tolerance.py and benchmarks/fault_tolerance.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TINY = ["--model-preset", "llama-tiny", "--mock-data", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size",
+        "128", "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "256", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--lr", "3e-3", "--eval-interval", "100000",
+        "--device", "cpu", "--hidden-dropout", "0", "--attention-dropout", "0"]
+_TAKEN: set[int] = set()  # ports handed out: a launched torchrun binds its own only later
+
+
+def free_port() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _TAKEN:
+            _TAKEN.add(port)
+            return port
+
+
+def environment() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:
+    """torchft's lighthouse, quick to notice a dead group (1 s without heartbeats), and its address."""
+    port = free_port()
+    process = subprocess.Popen([str(BIN / "torchft_lighthouse"), "--min_replicas", str(min_replicas),
+                                "--join_timeout_ms", "1000", "--quorum_tick_ms", "20", "--heartbeat_timeout_ms",
+                                "1000", "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env=environment())
+    return process, f"http://localhost:{port}"
+
+
+def torchrun(nproc: int, flags: list[str], log: Path, pace: float = 0.0) -> subprocess.Popen:
+    """pretrain_gpt.py of the tiny model under torchrun, in a session of its own (so that it can be killed whole
+    with os.killpg); with `pace`, each forward first sleeps that many seconds (tests/sleepy_pretrain.py)."""
+    command = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+               str(ROOT / "tests" / "sleepy_pretrain.py"), *TINY, *flags]
+    with open(log, "w") as out:
+        return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**environment(), "PACE_SECONDS": str(pace)}, start_new_session=True)
+
+
+def group_flags(group: int, lighthouse_address: str, root: Path, iters: int, run: str = "",
+                batch: int = 2) -> list[str]:
+    """Replica group `group` of two, with --global-batch-size `batch`, logging every step to
+    root/group<G><run>.jsonl and saving at the end to root/ckpt<G>."""
+    return ["--fault-tolerance", "torchft", "--ft-replica-id", str(group), "--ft-num-replica-groups", "2",
+            "--ft-lighthouse", lighthouse_address, "--global-batch-size", str(batch), "--train-iters", str(iters),
+            "--log-interval", "1", "--metrics-jsonl", str(root / f"group{group}{run}.jsonl"),
+            "--save", str(root / f"ckpt{group}"), "--save-interval", "100000"]
+
+
+def records(path: Path) -> list[dict]:
+    """The complete lines of a metrics JSONL file being written."""
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")[:-1]  # the last piece may be a line still being written
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.01):
+    """Poll `condition` until it returns something true; that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def finish(processes: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
+    """Wait for every process; each must exit 0 (else its log's end is the error)."""
+    deadline = time.monotonic() + timeout
+    for process, log in zip(processes, logs):
+        status = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        if status != 0:
+            raise AssertionError(log.read_text()[-3000:])
