@@ -411,6 +411,25 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[str, str]]:
     return dirs
 
 
+def random_hf_checkpoint(config, root, seed: int, perturb: tuple[str, ...] = (),
+                         scale: float = 1.0) -> tuple[str, str]:
+    """A random transformers model of `config` (biases and norms perturbed, and the parameters whose names end
+    with one of `perturb` moved by `scale` x N(0, 1)), saved to root/hf and converted to root/mlite: the two
+    directories."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    perturb_biases_and_norms(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if perturb and name.endswith(perturb):
+                param.add_(scale * torch.randn_like(param))
+    model.save_pretrained(root / "hf")
+    convert("--direction", "hf-to-mlite", "--load-dir", str(root / "hf"), "--save-dir", str(root / "mlite"))
+    return str(root / "hf"), str(root / "mlite")
+
+
 @torch.no_grad()
 def perturb_biases_and_norms(model) -> None:
     """transformers initializes biases to zero and norm weights to one: make them random, so that they count."""

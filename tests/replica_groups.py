@@ -3,8 +3,10 @@ tests/test_fault_tolerance.py and benchmarks/fault_tolerance.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,13 +47,13 @@ def lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:
 
 
 def torchrun(nproc: int, flags: list[str], log: Path, pace: float = 0.0) -> subprocess.Popen:
-    """pretrain_gpt.py of the tiny model under torchrun, in a session of its own (so that it can be killed whole
-    with os.killpg); with `pace`, each forward first sleeps that many seconds (tests/sleepy_pretrain.py)."""
+    """pretrain_gpt.py of the tiny model under torchrun (`kill_tree` kills it with its workers); with `pace`,
+    each forward first sleeps that many seconds (tests/sleepy_pretrain.py)."""
     command = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
                str(ROOT / "tests" / "sleepy_pretrain.py"), *TINY, *flags]
     with open(log, "w") as out:
         return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**environment(), "PACE_SECONDS": str(pace)}, start_new_session=True)
+                                env={**environment(), "PACE_SECONDS": str(pace)})
 
 
 def group_flags(group: int, lighthouse_address: str, root: Path, iters: int, run: str = "",
@@ -62,6 +64,18 @@ def group_flags(group: int, lighthouse_address: str, root: Path, iters: int, run
             "--ft-lighthouse", lighthouse_address, "--global-batch-size", str(batch), "--train-iters", str(iters),
             "--log-interval", "1", "--metrics-jsonl", str(root / f"group{group}{run}.jsonl"),
             "--save", str(root / f"ckpt{group}"), "--save-interval", "100000"]
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a torchrun and its workers at once (torchrun starts each worker in a session of its own, so
+    killing its process group would leave them to notice their launcher's death by themselves)."""
+    import psutil
+
+    tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.send_signal(signal.SIGKILL)
+    process.wait()
 
 
 def records(path: Path) -> list[dict]:

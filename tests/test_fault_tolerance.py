@@ -6,14 +6,12 @@ logs, and agrees between them."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.replica_groups import finish, group_flags, lighthouse, records, torchrun, wait_for
+from tests.replica_groups import finish, group_flags, kill_tree, lighthouse, records, torchrun, wait_for
 
 
 def _weights(checkpoint_root: Path) -> dict[str, torch.Tensor]:
@@ -73,8 +71,7 @@ def test_a_killed_replica_group_is_dropped_and_rejoins_from_its_peer(tmp_path):
         wait_for(lambda: records(tmp_path / "group0.jsonl"), 120, "group 0's first step")
         group1 = torchrun(1, group_flags(1, address, tmp_path, iters), logs[1], pace)  # joins late: heals at once
         wait_for(lambda: len(records(tmp_path / "group1.jsonl")) >= 20, 120, "group 1's 20th step")
-        os.killpg(group1.pid, signal.SIGKILL)
-        group1.wait()
+        kill_tree(group1)
         killed_at = records(tmp_path / "group1.jsonl")[-1]["iteration"]
         wait_for(lambda: any(r["ft_participants"] == 1 for r in records(tmp_path / "group0.jsonl")), 60,
                   "group 0 training alone")
@@ -117,3 +114,21 @@ def test_fault_tolerance_settings_that_cannot_work_are_one_line(values, message,
     with pytest.raises(ConfigError, match=message) as error:
         make_config({**base, **values})
     assert "\n" not in str(error.value)
+
+
+def test_the_launcher_starts_a_lighthouse_and_the_replica_groups(tmp_path):
+    """scripts/launch_replica_groups.sh as the docs run it: both groups train every step together and exit 0."""
+    import subprocess
+
+    from tests.replica_groups import BIN, ROOT, TINY, environment, free_port
+
+    command = ["bash", str(ROOT / "scripts" / "launch_replica_groups.sh"), "2", "1", "pretrain_gpt.py", *TINY,
+               "--global-batch-size", "2", "--train-iters", "4", "--log-interval", "1", "--metrics-jsonl",
+               str(tmp_path / "metrics.jsonl")]
+    env = {**environment(), "PATH": f"{BIN}:{environment()['PATH']}", "LIGHTHOUSE_PORT": str(free_port()),
+           "MASTER_PORT_BASE": str(free_port()), "FT_MIN_REPLICAS": "2"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = records(tmp_path / "metrics.jsonl")  # both groups append to the one file
+    assert sorted(r["iteration"] for r in logged) == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert all(r["ft_participants"] == 2 for r in logged)

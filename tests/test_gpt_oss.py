@@ -15,15 +15,18 @@ import torch
 import yaml
 
 from tests.harness import run_on_ranks
-from tests.helpers import HF_VOCAB, assert_run_matches, convert, join_shards, perturb_biases_and_norms
+from tests.helpers import HF_VOCAB, assert_run_matches, convert, join_shards, random_hf_checkpoint
 from tests.test_hf_conversion import (
+    SEQ,
     _ep2_tp2,
     _tp2_pp2,
     assert_ranks_give_transformers_logits_and_greedy_ids,
     assert_same_safetensors,
+    assert_tp2_pp2_results_are_transformers,
     hf_logits,
     our_logits,
     read_text,
+    run_case,
 )
 from tests.test_window_and_sinks import GPT_OSS_LIKE
 from tests.tolerances import assert_close_relative
@@ -51,23 +54,10 @@ def hf_config(variant: str):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """{variant: (HF directory, converted megatron_lite directory)}."""
-    from transformers import AutoModelForCausalLM
-
-    dirs = {}
-    for index, variant in enumerate(VARIANTS):
-        root = tmp_path_factory.mktemp(variant)
-        torch.manual_seed(index)
-        model = AutoModelForCausalLM.from_config(hf_config(variant))
-        perturb_biases_and_norms(model)  # biases away from 0 (the experts' too), norms from 1
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("sinks"):
-                    param.add_(torch.randn_like(param))  # sinks that take a share of each softmax
-        model.save_pretrained(root / "hf")
-        convert("--direction", "hf-to-mlite", "--load-dir", str(root / "hf"), "--save-dir", str(root / "mlite"))
-        dirs[variant] = (str(root / "hf"), str(root / "mlite"))
-    return dirs
+    """{variant: (HF directory, converted megatron_lite directory)}: biases away from 0 (the experts' too), norms
+    from 1, and sinks that take a share of each softmax."""
+    return {variant: random_hf_checkpoint(hf_config(variant), tmp_path_factory.mktemp(variant), index, ("sinks",))
+            for index, variant in enumerate(VARIANTS)}
 
 
 @pytest.fixture(scope="module")
@@ -112,31 +102,18 @@ def test_greedy_generation_with_windows_and_sinks_equals_transformers_generate(c
     assert torch.equal(ours, transformers_greedy(hf_dir, prompt, 12))
 
 
-def _cases(mlite_dir: str) -> dict:
-    flags = yaml.safe_load(read_text(os.path.join(mlite_dir, "model.yaml")))
-    return {"gpt_oss": (mlite_dir, {k: v for k, v in flags.items() if not k.startswith("tokenizer_")})}
-
-
 def test_the_converted_model_at_tp2_pp2_gives_transformers_logits_and_loss(converted):
-    from megatron_lite.data.mock import MockGPTDataset
-    from tests.test_hf_conversion import SEQ
-
     hf_dir, mlite_dir = converted
     ids = torch.randint(0, HF_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
-    logits, first_loss = run_on_ranks(4, _tp2_pp2, _cases(mlite_dir), ids)[-1]["gpt_oss"]
-    assert_close_relative(logits, hf_logits(hf_dir, ids), rel=1e-4)
-    dataset = MockGPTDataset(2, SEQ, HF_VOCAB, 1234)
-    samples = torch.stack([torch.as_tensor(dataset[i]) for i in range(2)])
-    reference = torch.nn.functional.cross_entropy(hf_logits(hf_dir, samples[:, :-1]).reshape(-1, HF_VOCAB),
-                                                  samples[:, 1:].reshape(-1))
-    assert first_loss == pytest.approx(reference.item(), rel=1e-5)
+    last_stage = run_on_ranks(4, _tp2_pp2, {"gpt_oss": run_case(mlite_dir)}, ids)[-1]
+    assert_tp2_pp2_results_are_transformers(last_stage, {"gpt_oss": hf_dir}, ids)
 
 
 def test_the_converted_model_at_ep2_tp2_gives_transformers_logits_and_greedy_ids(converted):
     """The experts' fc2 biases are added by one expert-tensor-parallel rank of two."""
     hf_dir, mlite_dir = converted
     ids = torch.randint(0, HF_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
-    per_rank = run_on_ranks(4, _ep2_tp2, _cases(mlite_dir), ids, 6)
+    per_rank = run_on_ranks(4, _ep2_tp2, {"gpt_oss": run_case(mlite_dir)}, ids, 6)
     assert_ranks_give_transformers_logits_and_greedy_ids(per_rank, "gpt_oss", hf_dir, ids, 6)
 
 

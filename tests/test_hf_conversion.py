@@ -134,21 +134,30 @@ def _tp2_pp2(cases: dict, ids: torch.Tensor) -> dict:
     return results
 
 
-def test_converted_checkpoints_load_at_tp2_pp2_with_transformers_logits_and_loss(converted):
-    ids = torch.randint(0, HF_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
-    cases = {}
-    for family, (_, mlite_dir) in converted.items():
-        flags = yaml.safe_load(read_text(os.path.join(mlite_dir, "model.yaml")))
-        cases[family] = (mlite_dir, {k: v for k, v in flags.items() if not k.startswith("tokenizer_")})  # mock data
-    last_stage = run_on_ranks(4, _tp2_pp2, cases, ids)[-1]
+def run_case(mlite_dir: str) -> tuple[str, dict]:
+    """A converted checkpoint and the flags of its model.yaml, without the tokenizer's (the runs use mock data)."""
+    flags = yaml.safe_load(read_text(os.path.join(mlite_dir, "model.yaml")))
+    return mlite_dir, {k: v for k, v in flags.items() if not k.startswith("tokenizer_")}
+
+
+def assert_tp2_pp2_results_are_transformers(last_stage: dict, hf_dirs: dict[str, str], ids: torch.Tensor) -> None:
+    """Each family's (logits of `ids`, first loss) from _tp2_pp2's last stage equal transformers' on its HF
+    directory: the logits, and the cross-entropy of the first mock global batch."""
     dataset = MockGPTDataset(2, SEQ, HF_VOCAB, 1234)
     samples = torch.stack([torch.as_tensor(dataset[i]) for i in range(2)])  # the first global batch
-    for family, (hf_dir, _) in converted.items():
+    for family, hf_dir in hf_dirs.items():
         logits, first_loss = last_stage[family]
         assert_close_relative(logits, hf_logits(hf_dir, ids), rel=1e-4, msg=family)
         reference = torch.nn.functional.cross_entropy(hf_logits(hf_dir, samples[:, :-1]).reshape(-1, HF_VOCAB),
                                                       samples[:, 1:].reshape(-1))
         assert first_loss == pytest.approx(reference.item(), rel=1e-5), family
+
+
+def test_converted_checkpoints_load_at_tp2_pp2_with_transformers_logits_and_loss(converted):
+    ids = torch.randint(0, HF_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    cases = {family: run_case(mlite_dir) for family, (_, mlite_dir) in converted.items()}
+    last_stage = run_on_ranks(4, _tp2_pp2, cases, ids)[-1]
+    assert_tp2_pp2_results_are_transformers(last_stage, {family: hf for family, (hf, _) in converted.items()}, ids)
 
 
 def _ep2_tp2(cases: dict, ids: torch.Tensor, new_tokens: int) -> dict:

@@ -14,15 +14,18 @@ import torch
 import yaml
 
 from tests.harness import run_on_ranks
-from tests.helpers import HF_VOCAB, convert, perturb_biases_and_norms
+from tests.helpers import HF_VOCAB, convert, perturb_biases_and_norms, random_hf_checkpoint
 from tests.test_hf_conversion import (
+    SEQ,
     _ep2_tp2,
     _tp2_pp2,
     assert_ranks_give_transformers_logits_and_greedy_ids,
     assert_same_safetensors,
+    assert_tp2_pp2_results_are_transformers,
     hf_logits,
     our_logits,
     read_text,
+    run_case,
 )
 from tests.tolerances import assert_close_relative
 
@@ -49,23 +52,10 @@ def hf_config(family: str):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """{family: (HF directory, converted megatron_lite directory)}."""
-    from transformers import AutoModelForCausalLM
-
-    dirs = {}
-    for index, family in enumerate(FAMILIES):
-        root = tmp_path_factory.mktemp(family)
-        torch.manual_seed(index)
-        model = AutoModelForCausalLM.from_config(hf_config(family))
-        perturb_biases_and_norms(model)  # the zero-centred norms' weights away from 0, the output norms' from 1
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith(("A_log", "dt_bias")):
-                    param.add_(0.3 * torch.randn_like(param))
-        model.save_pretrained(root / "hf")
-        convert("--direction", "hf-to-mlite", "--load-dir", str(root / "hf"), "--save-dir", str(root / "mlite"))
-        dirs[family] = (str(root / "hf"), str(root / "mlite"))
-    return dirs
+    """{family: (HF directory, converted megatron_lite directory)}: the zero-centred norms' weights away from 0,
+    the output norms' from 1, and the decays' parameters moved."""
+    return {family: random_hf_checkpoint(hf_config(family), tmp_path_factory.mktemp(family), index,
+                                         ("A_log", "dt_bias"), 0.3) for index, family in enumerate(FAMILIES)}
 
 
 @pytest.fixture(scope="module")
@@ -88,30 +78,17 @@ def test_the_converted_qwen3_next_has_its_flags(converted):
     assert flags["rotary_percent"] == 0.25 and flags["apply_layernorm_1p"] and flags["attention_output_gate"]
 
 
-def _cases(mlite_dir: str) -> dict:
-    flags = yaml.safe_load(read_text(os.path.join(mlite_dir, "model.yaml")))
-    return {"qwen3_next": (mlite_dir, {k: v for k, v in flags.items() if not k.startswith("tokenizer_")})}
-
-
 def test_the_converted_model_at_tp2_pp2_gives_transformers_logits_and_loss(converted):
-    from megatron_lite.data.mock import MockGPTDataset
-    from tests.test_hf_conversion import SEQ
-
     hf_dir, mlite_dir = converted
     ids = torch.randint(0, HF_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
-    logits, first_loss = run_on_ranks(4, _tp2_pp2, _cases(mlite_dir), ids)[-1]["qwen3_next"]
-    assert_close_relative(logits, hf_logits(hf_dir, ids), rel=1e-4)
-    dataset = MockGPTDataset(2, SEQ, HF_VOCAB, 1234)
-    samples = torch.stack([torch.as_tensor(dataset[i]) for i in range(2)])
-    reference = torch.nn.functional.cross_entropy(hf_logits(hf_dir, samples[:, :-1]).reshape(-1, HF_VOCAB),
-                                                  samples[:, 1:].reshape(-1))
-    assert first_loss == pytest.approx(reference.item(), rel=1e-5)
+    last_stage = run_on_ranks(4, _tp2_pp2, {"qwen3_next": run_case(mlite_dir)}, ids)[-1]
+    assert_tp2_pp2_results_are_transformers(last_stage, {"qwen3_next": hf_dir}, ids)
 
 
 def test_the_converted_model_at_ep2_tp2_gives_transformers_logits_and_greedy_ids(converted):
     hf_dir, mlite_dir = converted
     ids = torch.randint(0, HF_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
-    per_rank = run_on_ranks(4, _ep2_tp2, _cases(mlite_dir), ids, 6)
+    per_rank = run_on_ranks(4, _ep2_tp2, {"qwen3_next": run_case(mlite_dir)}, ids, 6)
     assert_ranks_give_transformers_logits_and_greedy_ids(per_rank, "qwen3_next", hf_dir, ids, 6)
 
 
