@@ -26,15 +26,15 @@ import time
 from pathlib import Path
 
 from benchmarks.results_file import record_result
-from tests.replica_groups import group_flags, kill_tree, lighthouse, records, torchrun, wait_for
+from tests.replica_groups import group_flags, kill_tree, killed_at_exit, lighthouse, records, torchrun, wait_for
 
 
 def _replica_groups(root: Path, iters: int, kill_at: int) -> dict:
     beacon, address = lighthouse(min_replicas=1)
-    group0 = torchrun(1, group_flags(0, address, root, iters), root / "group0.log")
-    group1 = torchrun(1, group_flags(1, address, root, iters), root / "group1.log")
-    restart = None
-    try:
+    with killed_at_exit(beacon) as launched:
+        group0 = torchrun(1, group_flags(0, address, root, iters), root / "group0.log")
+        group1 = torchrun(1, group_flags(1, address, root, iters), root / "group1.log")
+        launched += [group0, group1]
         wait_for(lambda: any(r["iteration"] >= kill_at and r["ft_participants"] == 2
                              for r in records(root / "group1.jsonl")), 300, "the kill step")
         kill_tree(group1)
@@ -43,15 +43,10 @@ def _replica_groups(root: Path, iters: int, kill_at: int) -> dict:
         wait_for(lambda: len(records(root / "group0.jsonl")) > seen, 300, "group 0's next step")
         stall = time.monotonic() - killed
         relaunched = time.monotonic()
-        restart = torchrun(1, group_flags(1, address, root, iters, run="_restart"), root / "group1_restart.log")
+        launched.append(torchrun(1, group_flags(1, address, root, iters, run="_restart"), root / "group1_restart.log"))
         rejoined_at = wait_for(lambda: records(root / "group1_restart.jsonl"), 300, "group 1's rejoining")[0]
         rejoin = time.monotonic() - relaunched
         survivor_alive = group0.poll() is None
-    finally:
-        for process in (group0, restart):
-            if process is not None:
-                kill_tree(process)
-        beacon.kill()
     return {"survivors_stall_s": round(stall, 3), "restart_to_rejoin_s": round(rejoin, 3),
             "rejoined_at_iteration": rejoined_at["iteration"], "rejoined_with_participants":
             rejoined_at["ft_participants"], "survivor_never_stopped": survivor_alive}
@@ -60,21 +55,18 @@ def _replica_groups(root: Path, iters: int, kill_at: int) -> dict:
 def _checkpoint_restart(root: Path, iters: int, kill_at: int, save_interval: int) -> dict:
     flags = ["--global-batch-size", "4", "--train-iters", str(iters), "--log-interval", "1",
              "--save", str(root / "ckpt"), "--save-interval", str(save_interval)]
-    job = torchrun(2, [*flags, "--metrics-jsonl", str(root / "job.jsonl")], root / "job.log")
-    wait_for(lambda: any(r["iteration"] >= kill_at for r in records(root / "job.jsonl")), 300, "the kill step")
-    kill_tree(job)
+    with killed_at_exit(torchrun(2, [*flags, "--metrics-jsonl", str(root / "job.jsonl")], root / "job.log")) as job:
+        wait_for(lambda: any(r["iteration"] >= kill_at for r in records(root / "job.jsonl")), 300, "the kill step")
+        kill_tree(job[0])
     died_at = records(root / "job.jsonl")[-1]["iteration"]
     relaunched = time.monotonic()
-    again = torchrun(2, [*flags, "--load", str(root / "ckpt"), "--metrics-jsonl", str(root / "again.jsonl")],
-                     root / "again.log")
-    try:
+    with killed_at_exit(torchrun(2, [*flags, "--load", str(root / "ckpt"), "--metrics-jsonl",
+                                     str(root / "again.jsonl")], root / "again.log")):
         first = wait_for(lambda: records(root / "again.jsonl"), 300, "the first step after the restart")[0]
         first_step = time.monotonic() - relaunched
         wait_for(lambda: any(r["iteration"] >= died_at for r in records(root / "again.jsonl")), 300,
                  "the step it died at")
         caught_up = time.monotonic() - relaunched
-    finally:
-        kill_tree(again)
     return {"relaunch_to_first_step_s": round(first_step, 3), "relaunch_to_step_of_death_s": round(caught_up, 3),
             "steps_trained_again": died_at - (first["iteration"] - 1)}
 

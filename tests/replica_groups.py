@@ -78,6 +78,19 @@ def kill_tree(process: subprocess.Popen) -> None:
     process.wait()
 
 
+@contextlib.contextmanager
+def killed_at_exit(*processes: subprocess.Popen):
+    """A list of processes (these, and those appended to it) each killed with its workers at the end if it is
+    still running: a failing test leaves nothing behind."""
+    launched = list(processes)
+    try:
+        yield launched
+    finally:
+        for process in launched:
+            if process.poll() is None:
+                kill_tree(process)
+
+
 def records(path: Path) -> list[dict]:
     """The complete lines of a metrics JSONL file being written."""
     if not path.exists():

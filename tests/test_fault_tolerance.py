@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.replica_groups import finish, group_flags, kill_tree, lighthouse, records, torchrun, wait_for
+from tests.replica_groups import (
+    finish,
+    group_flags,
+    kill_tree,
+    killed_at_exit,
+    lighthouse,
+    records,
+    torchrun,
+    wait_for,
+)
 
 
 def _weights(checkpoint_root: Path) -> dict[str, torch.Tensor]:
@@ -36,16 +45,15 @@ def test_two_replica_groups_train_as_one_run_of_twice_the_batch(layout, tmp_path
     data_ranks = nproc // (2 if layout == "tp2" else 1)
     beacon, address = lighthouse(min_replicas=2)
     logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "plain.log"]
-    try:
-        groups = [torchrun(nproc, [*flags, *group_flags(g, address, tmp_path, 8, batch=2 * data_ranks)], logs[g])
-                  for g in (0, 1)]
-        finish(groups, logs[:2])
-    finally:
-        beacon.kill()
-    plain = torchrun(2 * nproc, [*flags, "--global-batch-size", str(4 * data_ranks), "--train-iters", "8",
-                                 "--log-interval", "1", "--metrics-jsonl", str(tmp_path / "plain.jsonl"), "--save",
-                                 str(tmp_path / "plain")], logs[2])
-    finish([plain], logs[2:])
+    with killed_at_exit(beacon) as launched:
+        launched += [torchrun(nproc, [*flags, *group_flags(g, address, tmp_path, 8, batch=2 * data_ranks)],
+                              logs[g]) for g in (0, 1)]
+        finish(launched[1:], logs[:2])
+        launched.append(torchrun(2 * nproc, [*flags, "--global-batch-size", str(4 * data_ranks), "--train-iters",
+                                             "8", "--log-interval", "1", "--metrics-jsonl",
+                                             str(tmp_path / "plain.jsonl"), "--save", str(tmp_path / "plain")],
+                                 logs[2]))
+        finish(launched[3:], logs[2:])
     group0, group1, reference = (records(tmp_path / f"{name}.jsonl") for name in ("group0", "group1", "plain"))
     assert [r["ft_participants"] for r in group0] == [2] * 8
     for a, b, ref in zip(group0, group1, reference, strict=True):
@@ -66,20 +74,21 @@ def test_a_killed_replica_group_is_dropped_and_rejoins_from_its_peer(tmp_path):
     iters, pace = 300, 0.04  # at most 25 steps a second: group 0 cannot finish before group 1 has started twice
     beacon, address = lighthouse(min_replicas=1)
     logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1_restart.log"]
-    try:
+    with killed_at_exit(beacon) as launched:
         group0 = torchrun(1, group_flags(0, address, tmp_path, iters), logs[0], pace)
+        launched.append(group0)
         wait_for(lambda: records(tmp_path / "group0.jsonl"), 120, "group 0's first step")
         group1 = torchrun(1, group_flags(1, address, tmp_path, iters), logs[1], pace)  # joins late: heals at once
+        launched.append(group1)
         wait_for(lambda: len(records(tmp_path / "group1.jsonl")) >= 20, 120, "group 1's 20th step")
         kill_tree(group1)
         killed_at = records(tmp_path / "group1.jsonl")[-1]["iteration"]
         wait_for(lambda: any(r["ft_participants"] == 1 for r in records(tmp_path / "group0.jsonl")), 60,
-                  "group 0 training alone")
+                 "group 0 training alone")
         assert group0.poll() is None
         restarted = torchrun(1, group_flags(1, address, tmp_path, iters, run="_restart"), logs[2], pace)
+        launched.append(restarted)
         finish([group0, restarted], [logs[0], logs[2]])
-    finally:
-        beacon.kill()
     first, second, survivor = (records(tmp_path / f"{name}.jsonl")
                                for name in ("group1", "group1_restart", "group0"))
     assert [r["iteration"] for r in survivor] == list(range(1, iters + 1))  # every step, no restart
