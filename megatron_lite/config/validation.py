@@ -12,7 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_lite.config.attention_variants_validation import attention_variant_problems
-from megatron_lite.config.fault_tolerance import fault_tolerance_problems
+from megatron_lite.config.fault_tolerance_validation import fault_tolerance_problems
 from megatron_lite.config.flag_dependencies import dependency_problems
 from megatron_lite.config.fp8_validation import fp8_problems
 from megatron_lite.config.layer_pattern import moe_layer_pattern
