@@ -98,6 +98,11 @@ def parse_interleaved_freq(value, num_layers: int) -> list[bool]:
     return [item == 1 for item in value]
 
 
+def layer_list_expression(flags: list[bool]) -> str:
+    """The list expression of a per-layer pattern flag: "[1,1,1,0,...]", 1 where `flags` is true."""
+    return "[" + ",".join(str(int(flag)) for flag in flags) + "]"
+
+
 def moe_layer_pattern(config: ModelConfig) -> list[bool]:
     """One bool per layer of the decoder, True where the layer's MLP is an MoE layer (all False without
     --num-experts)."""

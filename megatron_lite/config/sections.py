@@ -205,6 +205,11 @@ class ModelConfig(AttentionVariantsConfig):
         return self.swiglu or self.quick_geglu
 
     @property
+    def rotary_position_embeddings(self) -> bool:
+        """Whether queries and keys are rotated: --position-embedding-type rope, or yarn (RoPE with YaRN's scaling)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
     def rotary_dims(self) -> int:
         """The leading dimensions of each head that RoPE rotates (--rotary-percent of the head dimension)."""
         return round(self.head_dim * self.rotary_percent)

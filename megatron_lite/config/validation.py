@@ -239,7 +239,7 @@ def _model_problems(config: Config) -> list[str]:
         problems.append(f"seq-length ({m.seq_length}) exceeds max-position-embeddings "
                         f"({m.max_position_embeddings}) with learned positions; raise "
                         f"--max-position-embeddings or shorten --seq-length")
-    if m.position_embedding_type in ("rope", "yarn") and m.head_dim % 2:
+    if m.rotary_position_embeddings and m.head_dim % 2:
         problems.append(f"rope needs an even head dimension, got {m.head_dim}")
     problems += _rope_scaling_problems(m)
     if m.num_experts:

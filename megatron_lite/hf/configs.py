@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from megatron_lite.config.layer_pattern import linear_attention_pattern, moe_layer_pattern
+from megatron_lite.config.layer_pattern import layer_list_expression, linear_attention_pattern, moe_layer_pattern
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.files import is_a
 from megatron_lite.hf.gpt_oss import gpt_oss_config, gpt_oss_refusal, gpt_oss_values
@@ -168,11 +168,6 @@ def _deepseek_v3_values(hf: dict) -> dict:
     return values
 
 
-def _layer_list(flags: list[bool]) -> str:
-    """A per-layer pattern flag's list expression: "[1,1,1,0,...]"."""
-    return "[" + ",".join(str(int(flag)) for flag in flags) + "]"
-
-
 # Gated DeltaNet's shapes: the same keys in config.json as the flags
 _LINEAR_ATTENTION_KEYS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                           "linear_num_key_heads", "linear_num_value_heads")
@@ -208,11 +203,13 @@ def _qwen3_next_values(hf: dict) -> dict:
     parameters = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
     values = {**llama_values(hf), "qk_layernorm": True, "attention_output_gate": True, "apply_layernorm_1p": True,
               "rotary_percent": float(parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
-              "experimental_attention_variant": "gated_delta_net", "linear_attention_freq": _layer_list(linear),
+              "experimental_attention_variant": "gated_delta_net",
+              "linear_attention_freq": layer_list_expression(linear),
               **{key: required(hf, key) for key in _LINEAR_ATTENTION_KEYS}}
     if any(moe):
         values.update(num_experts=required(hf, "num_experts"), moe_router_topk=required(hf, "num_experts_per_tok"),
-                      moe_ffn_hidden_size=required(hf, "moe_intermediate_size"), moe_layer_freq=_layer_list(moe),
+                      moe_ffn_hidden_size=required(hf, "moe_intermediate_size"),
+                      moe_layer_freq=layer_list_expression(moe),
                       moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
                       moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
                       moe_shared_expert_intermediate_size=required(hf, "shared_expert_intermediate_size"),

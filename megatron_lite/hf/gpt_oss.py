@@ -11,7 +11,7 @@ from above (--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value sw
 
 from __future__ import annotations
 
-from megatron_lite.config.layer_pattern import moe_layer_pattern, window_attention_pattern
+from megatron_lite.config.layer_pattern import layer_list_expression, moe_layer_pattern, window_attention_pattern
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.hf.llama_config import ConversionError, llama_config, llama_values, refuse, required, yarn_values
 
@@ -46,7 +46,7 @@ def gpt_oss_values(hf: dict) -> dict:
     if any(windowed):
         values["window_size"] = [required(hf, "sliding_window") - 1, 0]
         if not all(windowed):
-            values["window_attn_skip_freq"] = "[" + ",".join(str(int(flag)) for flag in windowed) + "]"
+            values["window_attn_skip_freq"] = layer_list_expression(windowed)
     return values
 
 
@@ -57,7 +57,7 @@ def gpt_oss_refusal(m: ModelConfig) -> str | None:
                                                              "and --activation-func-clamp-value"),
              (not m.disable_bias_linear and m.softmax_type == "learnable", "biases (no --disable-bias-linear) and "
                                                                             "--softmax-type learnable"),
-             (m.position_embedding_type in ("rope", "yarn") and not m.use_rope_scaling and m.rotary_percent == 1,
+             (m.rotary_position_embeddings and not m.use_rope_scaling and m.rotary_percent == 1,
               "RoPE or YaRN over whole heads"),
              (not (m.qk_layernorm or m.attention_output_gate or m.apply_layernorm_1p or m.multi_latent_attention
                    or m.experimental_attention_variant), "plain softmax attention and norms"),

@@ -93,7 +93,7 @@ class GPTModel(torch.nn.Module):
             if has_embedding:
                 self.embedding = Embedding(config, pstate, padded_vocab, sequence_parallel=sequence_parallel,
                                            rng_tracker=tracker, tied_copy=not pre_process)
-            self.rotary = rotary_embedding(config) if config.position_embedding_type in ("rope", "yarn") else None
+            self.rotary = rotary_embedding(config) if config.rotary_position_embeddings else None
             layers = []
             for number in range(layer_offset, layer_offset + num_layers):
                 mlp = mlp_factory(number) if mlp_factory is not None else None

@@ -92,7 +92,6 @@ from megatron_lite.config.layer_pattern import (
     is_moe_layer,
     layer_kind,
     layer_kinds,
-    window_attention_pattern,
 )
 from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.config.sections import Config
@@ -185,7 +184,7 @@ def softmax_attention_bytes(config: Config, materialised: bool) -> int:
         lse = 0 if m.recompute_granularity == "selective" else FP32 * nh
         query_rows = nh * (2 if m.attention_output_gate else 1)
         per_token = e * (query_rows + 2 * ng) * d  # QKV output
-        per_token += e * (nh + ng) * d if m.position_embedding_type in ("rope", "yarn") else e * nh * d
+        per_token += e * (nh + ng) * d if m.rotary_position_embeddings else e * nh * d
         return tokens * (per_token + e * nh * d + lse + gate)
     keys = m.seq_length  # every query's row of scores spans the whole sequence (gathered under CP)
     batch = config.training.micro_batch_size
@@ -225,9 +224,7 @@ def _materialised(config: Config, layer_number: int) -> bool:
 
 def layer_keys(config: Config) -> list[tuple[LayerKind, bool]]:
     """What decides each decoder layer's saved bytes: its kind, and whether its attention is materialised."""
-    m = config.model
-    materialised = [m.softmax_type != "vanilla" or windowed for windowed in window_attention_pattern(m)]
-    return list(zip(layer_kinds(m), materialised))
+    return [(kind, _materialised(config, number)) for number, kind in enumerate(layer_kinds(config.model))]
 
 
 def moe_mlp_bytes(config: Config) -> int:
@@ -364,7 +361,7 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
                   for number in range(chunk.layer_offset, chunk.layer_offset + chunk.num_layers)]
         saved = sum(size for size, again in zip(layers, recomputed) if not again)
         saved += _unit_inputs(config, chunk.num_layers) * stream * e * m.hidden_size
-        if m.position_embedding_type in ("rope", "yarn"):  # each chunk's cos and sin tables, [s/cp, 1, 1, d] fp32
+        if m.rotary_position_embeddings:  # each chunk's cos and sin tables, [s/cp, 1, 1, d] fp32
             rotated = m.qk_pos_emb_head_dim if m.multi_latent_attention else m.rotary_dims
             saved += 2 * FP32 * (m.seq_length // p.context_parallel_size) * rotated
         if chunk.pre_process:

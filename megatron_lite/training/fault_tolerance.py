@@ -78,11 +78,9 @@ class ReplicaGroup:
             raise UserError("--fault-tolerance torchft runs under torchrun (MASTER_ADDR and MASTER_PORT name the "
                             "replica group's store); launch each group with torchrun")
         self.model, self.optimizer = model, optimizer
-        self.global_batch_size = t.global_batch_size
         timeout = timedelta(minutes=t.distributed_timeout_minutes)
         on_gpu = next(model[0].parameters()).device.type == "cuda"
         process_group = ProcessGroupNCCL(timeout=timeout) if on_gpu else ProcessGroupGloo(timeout=timeout)
-        self.resumed_at: int | None = None  # the iteration a peer's state put this group at, once healed
         self.manager = Manager(
             pg=process_group, load_state_dict=self._load_state_dict, state_dict=self._state_dict,
             min_replica_size=t.ft_min_replica_size, use_async_quorum=False,
@@ -137,4 +135,3 @@ class ReplicaGroup:
         self.optimizer.load_sharded_state_dict({
             key: dataclasses.replace(value, data=state["optimizer"][key]) if isinstance(value, FlatShard)
             else state["optimizer"][key] for key, value in live.items()})
-        self.resumed_at = self.manager.current_step()
