@@ -5,7 +5,7 @@ Trains the demo model (llama-tiny, examples/demo_cpu.sh) in one process with --b
 batches, and reports each run's final training loss (the mean of the last 10 iterations), its validation loss
 after the last iteration and their relative distance from bf16's (the issue's bound: 1%). On the demo corpus
 (data/shakespeare_text_document, data/README.md) when it has been built, else on --mock-data, which says so.
-The CPU measures numerics only: _scaled_mm on the CPU is a reference kernel, so no speed is reported. Appends
+The CPU measures numerics only: it computes the FP8 GEMMs as exact fp32 matmuls, so no speed is reported. Appends
 the figures with date, machine and command to benchmarks/results/fp8.jsonl.
 
     python -m benchmarks.fp8 [--iters 300] [--micro-batch-size 4] [--global-batch-size 16]

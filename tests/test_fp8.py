@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_lite.config.arguments import ConfigError, make_config
-from megatron_lite.model.fp8 import FP8Recipe, GemmSplits, fp8_linear
+from megatron_lite.model.fp8 import FP8Recipe, GemmSplits, fp8_linear, quantize, scaled_gemm
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_2_LAYERS, build_run, losses_and_norms
 from tests.tolerances import assert_close_relative
@@ -66,6 +66,25 @@ def test_fp8_linear_forward_and_both_gradients_equal_quantize_dequantize_matmul(
     exact = x.detach().double().reshape(24, 48) @ w.detach().double().t()
     with pytest.raises(AssertionError):  # quantization happened: the exact product is further away than rounding
         assert_close_relative(y.reshape(24, 80).double(), exact, rel=rel)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt,recipe,margin", CASES)
+def test_the_exact_cpu_gemm_equals_torch_scaled_mm(fmt, recipe, margin, out_dtype):
+    generator = torch.Generator().manual_seed(1)
+    left_dtype = E5M2 if fmt == "hybrid" else E4M3
+    a = torch.randn(24, 64, generator=generator) * torch.linspace(0.01, 4, 64)
+    b = torch.randn(64, 40, generator=generator) * 0.05
+    fp8_recipe = FP8Recipe(fmt, recipe, margin)
+    dim = None if recipe == "tensorwise" else 1
+    a_fp8, a_inverse = quantize(a, left_dtype, margin, dim, ())
+    b_t_fp8, b_t_inverse = quantize(b.t().contiguous(), E4M3, margin, dim, ())
+    b_fp8, b_inverse = b_t_fp8.t(), (b_t_inverse if dim is None else b_t_inverse.t())
+    expected = torch._scaled_mm(a_fp8, b_fp8, scale_a=a_inverse, scale_b=b_inverse, out_dtype=out_dtype)
+    actual = scaled_gemm(a_fp8, a_inverse, b_fp8, b_inverse, fp8_recipe, out_dtype)
+    assert actual.dtype == out_dtype
+    # fp32 sums of exact products in another order; bf16 output: one rounding of nearly equal sums
+    assert_close_relative(actual.double(), expected.double(), rel=max(torch.finfo(out_dtype).eps, 1e-5))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,12 +9,13 @@ A linear Y = X W^T runs three GEMMs, each here on FP8 operands with fp32 accumul
 (m tokens, k input and n output features). Every operand is quantized just before its GEMM from its current
 values (Transformer Engine's current scaling, torchao's dynamic scaling): scale = fp8_max / amax / 2^margin, so
 that the largest magnitude lands `margin` binades below the format's largest finite value; an all-zero operand
-gets scale 1. _scaled_mm multiplies the FP8 product by the inverse scales. `tensorwise` takes one amax per
-operand; `rowwise` one per row of the left operand and per column of the right one, that is per slice along the
-contracted dimension, so each GEMM quantizes its operands along its own contraction (X per token in forward,
-per feature in wgrad). The e4m3 format quantizes everything to e4m3; `hybrid` the gradient dY to e5m2 (more
-range, less precision), the rest to e4m3. The gradient is always the left operand: torch's rowwise CUDA kernel
-takes e5m2 only there.
+gets scale 1. The GEMM (torch._scaled_mm on CUDA; elsewhere an fp32 matmul of the FP8 values, which rounds
+only where _scaled_mm's fp32 accumulation does) multiplies the FP8 product by the inverse scales. `tensorwise`
+takes one amax per operand; `rowwise` one per row of the left operand and per column of the right one, that is
+per slice along the contracted dimension, so each GEMM quantizes its operands along its own contraction (X per
+token in forward, per feature in wgrad). The e4m3 format quantizes everything to e4m3; `hybrid` the gradient dY
+to e5m2 (more range, less precision), the rest to e4m3. The gradient is always the left operand: torch's rowwise
+CUDA kernel takes e5m2 only there.
 
 Scales do not depend on the layout. An amax is the max over the whole logical operand (or its whole rows), so
 where the tensor-parallel group splits the reduced extent (the input features of a row-parallel linear, the
@@ -128,10 +129,22 @@ def _quantize_right(b, dtype, recipe: FP8Recipe, contracted: tuple, columns: tup
 
 def scaled_gemm(a_fp8, a_inverse, b_fp8, b_inverse, recipe: FP8Recipe, out_dtype: torch.dtype) -> torch.Tensor:
     """(a_fp8 . a_inverse) @ (b_fp8 . b_inverse), accumulated in fp32, in `out_dtype` (rowwise on CUDA: through
-    bf16)."""
-    gemm_dtype = torch.bfloat16 if recipe.recipe == "rowwise" and a_fp8.is_cuda else out_dtype
+    bf16). torch._scaled_mm on CUDA; elsewhere scaled_gemm_exact."""
+    if not a_fp8.is_cuda:
+        return scaled_gemm_exact(a_fp8, a_inverse, b_fp8, b_inverse, out_dtype)
+    gemm_dtype = torch.bfloat16 if recipe.recipe == "rowwise" else out_dtype
     out = torch._scaled_mm(a_fp8, b_fp8, scale_a=a_inverse, scale_b=b_inverse, out_dtype=gemm_dtype)
     return out.to(out_dtype)
+
+
+def scaled_gemm_exact(a_fp8, a_inverse, b_fp8, b_inverse, out_dtype: torch.dtype) -> torch.Tensor:
+    """What _scaled_mm computes, by an fp32 matmul: every FP8 value is exact in fp32, and so is the product of
+    two (at most 4 x 4 significant bits), so the only rounding is the fp32 accumulation, as in _scaled_mm; the
+    inverse scales (a scalar each, or a [M, 1] column and a [1, N] row) then multiply the fp32 sums, and the
+    result rounds once to `out_dtype`. A CPU's _scaled_mm is a reference kernel whose speed depends on the host's
+    oneDNN (about 1 s for a 1024x128x256 product on a Xeon without an FP8 kernel, against a millisecond here)."""
+    sums = a_fp8.float() @ b_fp8.float()  # [M, N]
+    return (sums * a_inverse * b_inverse).to(out_dtype)
 
 
 class _FP8Linear(torch.autograd.Function):
