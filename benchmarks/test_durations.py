@@ -2,10 +2,11 @@
 benchmarks/results/test_durations.jsonl with the date, the machine and its load, so that the suite's budget
 (10 minutes on 2 cores) is watched between runs and a new slow file is seen in review.
 
-Runs the suite as scripts/run_tests.sh does (one thread per process, offline) with pytest's JUnit report, or
-reads the report of a run already made (--junit). A file's time is the sum of its tests' setup, call and
-teardown (pytest's junit `time`), so a module fixture counts in the file that starts it; a shared gloo world
-counts in the first file that asks for it. The load average before and after says whether the cores were idle.
+Runs the suite as scripts/run_tests.sh does (two pytest-xdist workers, one thread per process, offline) with
+pytest's JUnit report, or reads the report of a run already made (--junit). A file's time is the sum of its
+tests' setup, call and teardown (pytest's junit `time`), so a module fixture counts in the file that starts it
+and a shared gloo world in the first file of its worker that asks for it; with two workers the files overlap,
+so their sum exceeds the run's wall time. The load average before and after says whether the cores were idle.
 
     python -m benchmarks.test_durations [--label before] [--junit report.xml] [-- pytest arguments]
 """
@@ -24,6 +25,7 @@ import xml.etree.ElementTree as ElementTree
 from benchmarks.results_file import record_result
 
 SUITE_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+SUITE_ARGUMENTS = ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "tests"]  # as scripts/run_tests.sh
 
 
 def cpu_model() -> str:
@@ -67,7 +69,7 @@ def run_suite(report: str, pytest_arguments: list[str]) -> tuple[int, float]:
     """Run the suite into `report`; (exit code, wall seconds)."""
     start = time.monotonic()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-               *(pytest_arguments or ["tests"])]
+               *(pytest_arguments or SUITE_ARGUMENTS)]
     code = subprocess.call(command, env={**os.environ, **SUITE_ENVIRONMENT})
     return code, time.monotonic() - start
 
@@ -76,7 +78,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--junit", help="read this JUnit report of a run already made instead of running the suite")
     parser.add_argument("--label", default="", help="what the run is (before, after, a commit), kept in the record")
-    parser.add_argument("pytest_arguments", nargs="*", help="after --: what to run (default: tests)")
+    parser.add_argument("pytest_arguments", nargs="*",
+                        help="after --: what to run (default: the suite as scripts/run_tests.sh runs it)")
     args = parser.parse_args(argv[1:])
     load_before = os.getloadavg()
     figures = {"label": args.label, "cpu": cpu_model(), "load_average_before": [round(x, 2) for x in load_before]}

@@ -7,11 +7,12 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.launching import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -19,19 +20,6 @@ TINY = ["--model-preset", "llama-tiny", "--mock-data", "--num-layers", "2", "--h
         "128", "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "256", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "1", "--lr", "3e-3", "--eval-interval", "100000",
         "--device", "cpu", "--hidden-dropout", "0", "--attention-dropout", "0"]
-_TAKEN: set[int] = set()  # ports handed out: a launched torchrun binds its own only later
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _TAKEN:
-            _TAKEN.add(port)
-            return port
-
-
 def environment() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 

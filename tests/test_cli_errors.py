@@ -3,10 +3,11 @@
 import os
 import struct
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from tests.launching import torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--model-preset", "llama-tiny", "--mock-data", "--train-iters", "2"]
@@ -33,7 +34,7 @@ def fails_on_every_rank_with_one_line(argv: list[str], expected: str) -> None:
     """Run `argv` on two ranks; assert both print one `error (rank R): ...` line holding `expected`, the run
     exits non-zero and no step was trained. A rank left waiting in a collective would hold the run until the
     process-group timeout (10 minutes): the subprocess limit, well below it, fails the test instead."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "pretrain_gpt.py", *argv]
+    command = torchrun_command(2, "pretrain_gpt.py", argv)
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0

@@ -129,7 +129,8 @@ def test_the_launcher_starts_a_lighthouse_and_the_replica_groups(tmp_path):
     """scripts/launch_replica_groups.sh as the docs run it: both groups train every step together and exit 0."""
     import subprocess
 
-    from tests.replica_groups import BIN, ROOT, TINY, environment, free_port
+    from tests.launching import free_port
+    from tests.replica_groups import BIN, ROOT, TINY, environment
 
     command = ["bash", str(ROOT / "scripts" / "launch_replica_groups.sh"), "2", "1", "pretrain_gpt.py", *TINY,
                "--global-batch-size", "2", "--train-iters", "4", "--log-interval", "1", "--metrics-jsonl",

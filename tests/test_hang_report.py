@@ -6,13 +6,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
 from megatron_lite.config.arguments import make_config
 from megatron_lite.errors import ConfigError
 from megatron_lite.training.hang_report import hang_summary, hang_timeout_s
+from tests.launching import torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model-preset", "llama-tiny", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
@@ -70,7 +70,7 @@ def _torchrun(nproc: int, argv: list[str], sleep_rank: int | None = None) -> sub
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SLEEP_ITERATION": "4"}
     if sleep_rank is not None:
         env["SLEEP_RANK"] = str(sleep_rank)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), SLEEPY, *argv]
+    command = torchrun_command(nproc, SLEEPY, argv)
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
 
 

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.save_lock import SaveLock
 from megatron_lite.parallel import launcher, lifecycle
 from megatron_lite.parallel.state import Layout, group_ranks, rank_coordinates
+from tests.launching import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.usefixtures("idle_machine")
@@ -32,12 +32,6 @@ TINY = ["--model-preset", "llama-tiny", "--mock-data", "--num-layers", "2", "--h
 # Helpers: agents, their workers, their metrics
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # As the recipes set it: a fresh store for every restarted group (megatron_lite/parallel/launcher.py)
 AGENT_ENV = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
@@ -48,7 +42,7 @@ class Agents:
 
     def __init__(self, tmp_path, argv: list[str], nnodes: int = 2, nproc_per_node: int = 1, start: int | None = None,
                  torchrun_args: tuple[str, ...] = ()):
-        endpoint = f"localhost:{_free_port()}"
+        endpoint = f"localhost:{free_port()}"
         self.logs = [str(tmp_path / f"agent{i}.log") for i in range(nnodes)]
         self.processes = []
         for log in self.logs[:start]:

@@ -5,9 +5,7 @@ import contextlib
 import datetime
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -17,6 +15,7 @@ import torch
 from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
 from tests.harness import process_context
+from tests.launching import torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,16 +26,9 @@ TINY = ["--model-preset", "llama-tiny", "--mock-data", "--num-layers", "1", "--h
 
 
 def _torchrun(argv: list[str], torchrun_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *torchrun_args,
-               "pretrain_gpt.py", *argv]
+    command = torchrun_command(2, "pretrain_gpt.py", argv, torchrun_args)
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -50,7 +42,7 @@ def test_ten_finished_two_rank_runs_all_exit_zero():
     imports overlap the other's start-up and teardown."""
     failures = []
     for pair in range(5):
-        processes = [_torchrun(TINY + ["--train-iters", "2"], torchrun_args=("--master-port", str(_free_port())))
+        processes = [_torchrun(TINY + ["--train-iters", "2"])
                      for _ in range(2)]
         for attempt, process in enumerate(processes, start=2 * pair):
             _, stderr = process.communicate(timeout=300)
@@ -88,7 +80,10 @@ def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout():
         workers = _children(process.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGSTOP)
-        _, stderr = process.communicate(timeout=300)  # the 12 s timeout must end it, not this limit
+        _wait_for_exit(workers[0], timeout=300)  # the 12 s timeout must end it, not this limit
+        # torchrun would give the stopped rank its 30 s grace after SIGTERM, which a stopped process never acts on
+        os.kill(workers[1], signal.SIGKILL)
+        _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
         for pid in workers:
@@ -97,6 +92,20 @@ def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout():
     assert process.returncode != 0
     lines = _error_lines(stderr)
     assert len(lines) == 1 and "--distributed-timeout-minutes" in lines[0], stderr[-2000:]
+
+
+def _wait_for_exit(pid: int, timeout: float) -> None:
+    """Wait until process `pid` has ended (exited, or a zombie its parent has not reaped yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} still runs after {timeout} s")
 
 
 def _children(pid: int) -> list[int]:
