@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import multiprocessing
 import os
 import pickle
@@ -158,3 +159,67 @@ def close_all_worlds() -> None:
     for world in _WORLDS.values():
         world.close()
     _WORLDS.clear()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The entry point on N forked ranks, as torchrun would start it
+
+class EntryRun:
+    """What one rank of `run_entry_on_ranks` returned and printed."""
+
+    def __init__(self, code: int, stdout: str, stderr: str):
+        self.code, self.stdout, self.stderr = code, stdout, stderr
+
+
+def _entry_rank(rank: int, size: int, port: int, entry: str, argv: list[str], env: dict, out: str, err: str) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size),
+                       "LOCAL_WORLD_SIZE": str(size), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **env})
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        os.dup2(stdout.fileno(), 1)
+        os.dup2(stderr.fileno(), 2)
+    code = 1
+    try:
+        code = importlib.import_module(entry).main(argv) or 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # noqa: BLE001 - a traceback is what the test reads
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_entry_on_ranks(size: int, argv: list[str], env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                       entry: str = "pretrain_gpt") -> list[EntryRun]:
+    """`entry`.main(argv) (pretrain_gpt.py's, or a test's variant of it) on `size` processes forked from the test
+    server (torch and the training stack already imported), each with the variables torchrun gives its workers
+    (the store on rank 0, at a free port), for tests whose subject is what the ranks do and print, not torchrun
+    itself; the ranks' results in rank order. Ranks still running at the timeout are killed and the test fails."""
+    import pretrain_gpt  # noqa: F401 - imported here, the server that forks the ranks imports it once
+    from tests.launching import free_port
+
+    context, port = process_context(), free_port()
+    with tempfile.TemporaryDirectory(prefix="entry_") as folder:
+        outputs = [(os.path.join(folder, f"{rank}.out"), os.path.join(folder, f"{rank}.err")) for rank in range(size)]
+        processes = [context.Process(target=_entry_rank, args=(rank, size, port, entry, argv, env or {},
+                                                               *outputs[rank])) for rank in range(size)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        for process in processes:
+            process.join(max(deadline - time.monotonic(), 0.1))
+        stuck = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        runs = []
+        for process, (out, err) in zip(processes, outputs):
+            with open(out) as stdout, open(err) as stderr:
+                runs.append(EntryRun(process.exitcode, stdout.read(), stderr.read()))
+    if stuck:
+        raise TimeoutError(f"ranks {stuck} of pretrain_gpt.py {' '.join(argv)} still ran after {timeout} s:\n"
+                           + "\n".join(run.stderr[-2000:] for run in runs))
+    return runs

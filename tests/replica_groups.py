@@ -6,13 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.launching import free_port
+from tests.launching import free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -52,18 +51,6 @@ def group_flags(group: int, lighthouse_address: str, root: Path, iters: int, run
             "--ft-lighthouse", lighthouse_address, "--global-batch-size", str(batch), "--train-iters", str(iters),
             "--log-interval", "1", "--metrics-jsonl", str(root / f"group{group}{run}.jsonl"),
             "--save", str(root / f"ckpt{group}"), "--save-interval", "100000"]
-
-
-def kill_tree(process: subprocess.Popen) -> None:
-    """SIGKILL a torchrun and its workers at once (torchrun starts each worker in a session of its own, so
-    killing its process group would leave them to notice their launcher's death by themselves)."""
-    import psutil
-
-    tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
-    for member in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            member.send_signal(signal.SIGKILL)
-    process.wait()
 
 
 @contextlib.contextmanager

@@ -1,15 +1,12 @@
 """Bad input fails on every rank with one clear line and a non-zero exit, before any collective or step."""
 
-import os
 import struct
-import subprocess
 
 import numpy as np
 import pytest
 
-from tests.launching import torchrun_command
+from tests.harness import run_entry_on_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--model-preset", "llama-tiny", "--mock-data", "--train-iters", "2"]
 
 CASES = {
@@ -31,17 +28,16 @@ CASES = {
 
 
 def fails_on_every_rank_with_one_line(argv: list[str], expected: str) -> None:
-    """Run `argv` on two ranks; assert both print one `error (rank R): ...` line holding `expected`, the run
-    exits non-zero and no step was trained. A rank left waiting in a collective would hold the run until the
-    process-group timeout (10 minutes): the subprocess limit, well below it, fails the test instead."""
-    command = torchrun_command(2, "pretrain_gpt.py", argv)
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode != 0
-    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error (rank")]
-    assert sorted(line.split(")")[0] for line in error_lines) == ["error (rank 0", "error (rank 1"], result.stderr
+    """Run `argv` on two ranks; assert both print one `error (rank R): ...` line holding `expected`, exit
+    non-zero and train no step. A rank left waiting in a collective would hold the run until the process-group
+    timeout (10 minutes): the limit of the run, well below it, fails the test instead."""
+    runs = run_entry_on_ranks(2, argv)
+    assert all(run.code != 0 for run in runs), [run.code for run in runs]
+    stderr = "".join(run.stderr for run in runs)
+    error_lines = [line for line in stderr.splitlines() if line.startswith("error (rank")]
+    assert sorted(line.split(")")[0] for line in error_lines) == ["error (rank 0", "error (rank 1"], stderr
     assert all(expected in line for line in error_lines), error_lines
-    assert " iteration " not in result.stdout, result.stdout[-2000:]
+    assert all(" iteration " not in run.stdout for run in runs), runs[0].stdout[-2000:]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launching import kill_tree
 from tests.replica_groups import (
     finish,
     group_flags,
-    kill_tree,
     killed_at_exit,
     lighthouse,
     records,

@@ -19,7 +19,7 @@ from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.save_lock import SaveLock
 from megatron_lite.parallel import launcher, lifecycle
 from megatron_lite.parallel.state import Layout, group_ranks, rank_coordinates
-from tests.launching import free_port
+from tests.launching import children_of, free_port, worker_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.usefixtures("idle_machine")
@@ -62,7 +62,7 @@ class Agents:
             return f.read()
 
     def workers(self, i: int) -> list[int]:
-        return _children(self.processes[i].pid)
+        return children_of(self.processes[i].pid)
 
     def kill_all(self) -> None:
         """Every agent and worker, stopped ones included (SIGKILL ends a stopped process too)."""
@@ -74,30 +74,12 @@ class Agents:
             p.wait()
 
 
-def _children(pid: int) -> list[int]:
-    children = []
-    with contextlib.suppress(FileNotFoundError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/children") as f:
-                children += [int(child) for child in f.read().split()]
-    return sorted(children)
-
-
-def _worker_rank(pid: int) -> int | None:
-    """The RANK torchrun gave worker `pid`, or None while it is still its launcher's forked copy: until it execs,
-    a worker has the launcher's command line (which names pretrain_gpt.py too) and environment (no RANK)."""
-    with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/environ", "rb") as f:
-        variables = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        return int(variables[b"RANK"]) if b"RANK" in variables else None
-    return None
-
-
 def _is_training_process(pid: int) -> bool:
-    return _worker_rank(pid) is not None
+    return worker_rank(pid) is not None
 
 
 def _rank_of(pid: int) -> int:
-    rank = _worker_rank(pid)
+    rank = worker_rank(pid)
     assert rank is not None, f"process {pid} is not a torchrun worker yet"
     return rank
 

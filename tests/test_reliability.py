@@ -15,7 +15,7 @@ import torch
 from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
 from tests.harness import process_context
-from tests.launching import torchrun_command
+from tests.launching import children_of, torchrun_command, wait_for_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,10 +77,10 @@ def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout():
         for line in process.stdout:
             if "iteration      2/" in line:
                 break
-        workers = _children(process.pid)
+        workers = children_of(process.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGSTOP)
-        _wait_for_exit(workers[0], timeout=300)  # the 12 s timeout must end it, not this limit
+        wait_for_exit(workers[0], timeout=300)  # the 12 s timeout must end it, not this limit
         # torchrun would give the stopped rank its 30 s grace after SIGTERM, which a stopped process never acts on
         os.kill(workers[1], signal.SIGKILL)
         _, stderr = process.communicate(timeout=60)
@@ -92,32 +92,6 @@ def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout():
     assert process.returncode != 0
     lines = _error_lines(stderr)
     assert len(lines) == 1 and "--distributed-timeout-minutes" in lines[0], stderr[-2000:]
-
-
-def _wait_for_exit(pid: int, timeout: float) -> None:
-    """Wait until process `pid` has ended (exited, or a zombie its parent has not reaped yet)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"process {pid} still runs after {timeout} s")
-
-
-def _children(pid: int) -> list[int]:
-    """Child processes of `pid`, oldest first (torchrun starts local rank 0 first)."""
-    children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children += [int(child) for child in f.read().split()]
-        except FileNotFoundError:
-            continue
-    return sorted(children)
 
 
 def _startup_rank(rank: int, init_file: str, results) -> None:
