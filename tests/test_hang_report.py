@@ -1,18 +1,24 @@
 """--hang-timeout-seconds: a rank that stops inside a step is named, with the collective the others wait in,
 by every rank's report and one summary line; the job exits non-zero long before the process-group timeout,
-and a restart resumes bitwise from the last checkpoint."""
+and a restart resumes bitwise from the last checkpoint. A frozen rank (SIGSTOP: no thread of it runs), first,
+middle or last, is named by a live one. No report fires while a save or an evaluation takes long.
+
+Sleeping ranks run as forked ranks of the test server (tests/harness.run_entry_on_ranks); frozen ones under
+real torchrun, whose agent serves the store that a frozen rank 0 would otherwise hold."""
 
 import json
 import os
 import re
+import signal
 import subprocess
 
 import pytest
 
 from megatron_lite.config.arguments import make_config
 from megatron_lite.errors import ConfigError
-from megatron_lite.training.hang_report import hang_summary, hang_timeout_s
-from tests.launching import torchrun_command
+from megatron_lite.training.hang_report import hang_deadline, hang_summary
+from tests.harness import EntryRun, run_entry_on_ranks
+from tests.launching import children_of, kill_tree, torchrun_command, worker_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model-preset", "llama-tiny", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
@@ -58,20 +64,30 @@ def test_a_rank_that_never_reported_is_named():
                                                      "interpreter)")
 
 
-def test_the_timeout_defaults_to_half_the_process_group_timeout_and_must_stay_below_it():
+def test_the_default_deadline_is_three_longest_steps_at_least_a_minute_and_at_most_half_the_group_timeout():
     values = {"model_preset": "llama-tiny", "mock_data": True, "distributed_timeout_minutes": 4}
-    assert hang_timeout_s(make_config(values)) == 120
-    assert hang_timeout_s(make_config({**values, "hang_timeout_seconds": 0})) == 0
+    deadline = hang_deadline(make_config(values))
+    assert deadline.seconds() == 60  # no step seen yet
+    deadline.saw_step(15.0)
+    deadline.saw_step(25.0)
+    deadline.saw_step(5.0)
+    assert deadline.seconds() == 75  # 3 x the longest step
+    deadline.saw_step(50.0)
+    assert deadline.seconds() == 120  # half the 4-minute process-group timeout
+    given = hang_deadline(make_config({**values, "hang_timeout_seconds": 7}))
+    given.saw_step(50.0)
+    assert given.seconds() == 7
+    assert hang_deadline(make_config({**values, "hang_timeout_seconds": 0})) is None
     with pytest.raises(ConfigError, match=r"--hang-timeout-seconds \(240\) must be below the process-group timeout"):
         make_config({**values, "hang_timeout_seconds": 240})
 
 
-def _torchrun(nproc: int, argv: list[str], sleep_rank: int | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLEEP_ITERATION": "4"}
-    if sleep_rank is not None:
-        env["SLEEP_RANK"] = str(sleep_rank)
-    command = torchrun_command(nproc, SLEEPY, argv)
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+def _run(nproc: int, argv: list[str], sleep_rank: int | None = None, env: dict | None = None) -> EntryRun:
+    """sleepy_pretrain.py on `nproc` forked ranks: the first non-zero exit status of a rank, every rank's output."""
+    env = {"SLEEP_ITERATION": "4", **({"SLEEP_RANK": str(sleep_rank)} if sleep_rank is not None else {}), **(env or {})}
+    runs = run_entry_on_ranks(nproc, argv, env, timeout=400, entry="tests.sleepy_pretrain")
+    return EntryRun(next((run.code for run in runs if run.code), 0), "".join(run.stdout for run in runs),
+                    "".join(run.stderr for run in runs))
 
 
 def _losses(path) -> dict[int, float]:
@@ -93,18 +109,90 @@ def test_a_sleeping_rank_is_named_the_job_exits_and_a_restart_resumes_bitwise(la
     save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "run.jsonl")
     argv = TINY + layout + ["--save", save, "--load", save, "--save-interval", "1", "--metrics-jsonl", metrics,
                             "--hang-timeout-seconds", "5"]
-    hung = _torchrun(4, argv, sleep_rank=sleeper)
-    assert hung.returncode != 0
+    hung = _run(4, argv, sleep_rank=sleeper)
+    assert hung.code != 0
     reports = sorted(set(re.findall(r"hang report \(rank (\d)\)", hung.stderr)))
     assert reports == ["0", "1", "2", "3"], hung.stderr[-3000:]
     assert "sleepy_pretrain.py" in hung.stderr and "time.sleep" in hung.stderr  # the sleeper's own stack
-    summaries = [line for line in hung.stderr.splitlines() if line.startswith("error (rank 3): no progress")]
+    summaries = [line for line in hung.stderr.splitlines() if re.match(r"error \(rank \d\): no progress", line)]
     assert len(summaries) == 1 and re.search(pattern, summaries[0]), hung.stderr[-3000:]
     assert max(_losses(metrics)) == 3
 
-    resumed = _torchrun(4, argv)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = _run(4, argv)
+    assert resumed.code == 0, resumed.stderr[-3000:]
     reference = str(tmp_path / "reference.jsonl")
-    uninterrupted = _torchrun(4, TINY + layout + ["--metrics-jsonl", reference])
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    uninterrupted = _run(4, TINY + layout + ["--metrics-jsonl", reference])
+    assert uninterrupted.code == 0, uninterrupted.stderr[-3000:]
     assert _losses(metrics) == _losses(reference)
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """`argv` less `flag` and its value."""
+    at = argv.index(flag)
+    return argv[:at] + argv[at + 2:]
+
+
+FROZEN_ARGV = _without(TINY, "--distributed-timeout-minutes")  # every timeout at its default
+
+
+def _launch(argv: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(torchrun_command(4, SLEEPY, argv), cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                            **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_a_frozen_first_middle_or_last_rank_is_named_by_a_live_one_with_default_flags(tmp_path):
+    """SIGSTOP (a hung host or device: no thread of the process runs) on rank 0, 2 or 3 of a DP4 run: a live
+    rank prints the summary with the collective the others wait in and the frozen rank as the one that never
+    reported, after the default deadline (a minute: the steps here are short); the job ends non-zero by itself,
+    and a restart from the last checkpoint gives the losses of an uninterrupted run."""
+    frozen_ranks = (0, 2, 3)
+    runs = {}
+    for rank in frozen_ranks:
+        save, metrics = str(tmp_path / f"ckpt{rank}"), str(tmp_path / f"run{rank}.jsonl")
+        argv = FROZEN_ARGV + ["--train-iters", "60", "--save", save, "--load", save, "--save-interval", "2",
+                              "--metrics-jsonl", metrics]
+        runs[rank] = (argv, metrics, _launch(argv, {"PACE_SECONDS": "0.3"}))
+    try:
+        for rank, (_, _, process) in runs.items():
+            for line in process.stdout:
+                if re.search(r"iteration +\d+/", line) and int(re.search(r"iteration +(\d+)/", line)[1]) >= 5:
+                    break
+            workers = {worker_rank(pid): pid for pid in children_of(process.pid)}
+            assert sorted(workers) == [0, 1, 2, 3], workers
+            os.kill(workers[rank], signal.SIGSTOP)
+        stderrs = {rank: process.communicate(timeout=400)[1] for rank, (_, _, process) in runs.items()}
+    finally:
+        for _, _, process in runs.values():
+            kill_tree(process)
+    for rank, (_, _, process) in runs.items():
+        assert process.returncode != 0
+        summaries = [line for line in stderrs[rank].splitlines() if "): no progress for" in line]
+        assert len(summaries) == 1, stderrs[rank][-3000:]
+        reporter = int(re.match(r"error \(rank (\d)\): ", summaries[0])[1])
+        assert reporter != rank
+        assert summaries[0].split(": ", 1)[1].startswith("no progress for 60 s (--hang-timeout-seconds): ")
+        live = ", ".join(str(r) for r in range(4) if r != rank)
+        assert re.search(rf"ranks {live} of the 4 in the \S+ group are in all_reduce #\d+", summaries[0]), summaries
+        assert summaries[0].endswith(f"rank {rank} did not report (dead, or stopped holding the interpreter)")
+    restarts = {rank: _launch(argv, {}) for rank, (argv, _, _) in runs.items()}
+    reference = str(tmp_path / "reference.jsonl")
+    uninterrupted = _launch(FROZEN_ARGV + ["--train-iters", "60", "--metrics-jsonl", reference], {})
+    for process in [*restarts.values(), uninterrupted]:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-3000:]
+    for _, metrics, _ in runs.values():
+        assert _losses(metrics) == _losses(reference)
+
+
+@pytest.mark.slow
+def test_no_report_fires_during_a_long_save_or_a_long_evaluation(tmp_path):
+    """With a 3 s deadline: each checkpoint save takes 5 s more, and each evaluation 5 forwards of 0.8 s (the
+    record moves with every one of them); the run finishes, exit 0, with no hang report."""
+    save = str(tmp_path / "ckpt")
+    argv = _without(TINY, "--eval-interval") + [
+        "--train-iters", "4", "--save", save, "--save-interval", "2", "--eval-interval", "2", "--eval-iters", "5",
+        "--hang-timeout-seconds", "3"]
+    run = _run(4, argv, env={"SAVE_SECONDS": "5", "PACE_SECONDS": "0.8"})
+    assert run.code == 0, run.stderr[-3000:]
+    assert "hang report" not in run.stderr and "no progress" not in run.stderr

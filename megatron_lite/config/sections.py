@@ -459,8 +459,9 @@ class TrainingConfig(FaultToleranceConfig):
     distributed_timeout_minutes: float = 10.0
     """a collective that waits longer ends the run with an error"""
     hang_timeout_seconds: float | None = None
-    """when a rank makes no progress (no step, no collective entered or left) this long, every rank reports
-    where it is and the job exits; default: half of --distributed-timeout-minutes; 0: never"""
+    """when a rank makes no progress (no step, no collective entered or left) this long, every rank that can
+    reports where it is and the job exits; default: three times the longest iteration seen, at least 60 s and at
+    most half of --distributed-timeout-minutes; 0: never"""
     rerun_mode: str = "validate_results"
     """validate_results: an iteration whose loss or gradient norm is suspicious (not finite, or with
     --check-for-spiky-loss / --check-for-large-grads at least 10x the largest of the first 100) is run again on

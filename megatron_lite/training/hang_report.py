@@ -3,18 +3,21 @@
 A stuck rank otherwise leaves every other rank waiting in a collective until the process-group timeout
 (--distributed-timeout-minutes), with no word of who. Each rank runs a watchdog thread over its progress
 record (parallel/progress.py: iteration, step, last collective entered and left). When the record has not
-changed for the timeout (default: half the process-group timeout), the rank writes its record and the
-Python stacks of its threads to stderr and publishes the record in the launcher's store (MASTER_ADDR:
-MASTER_PORT), served apart from the collectives that hang. The last rank gathers the records it finds there
-and prints one summary line: which ranks wait in which collective, and which ranks of its group never entered it, with
-their last step ("rank 3 never entered it: its last step was forward of micro-batch 2 of 4"). Then every rank
-exits with HANG_EXIT_CODE, before the process-group timeout, so that torchrun's restarts or the scheduler
-resume the job from its last checkpoint.
+changed for the deadline (HangDeadline: --hang-timeout-seconds, by default three times the longest iteration
+seen and at least a minute), the rank writes its record and the Python stacks of its threads to stderr and
+publishes the record in the launcher's store (MASTER_ADDR:MASTER_PORT), served apart from the collectives that
+hang. The first rank to report gathers the records it finds there and prints one summary line: which ranks
+wait in which collective, which ranks of its group never entered it, with their last step ("rank 3 never
+entered it: its last step was forward of micro-batch 2 of 4"), and which ranks never reported (a frozen
+process: a hung host or device, SIGSTOP). Any rank that can still run a thread may be that first one, so a
+frozen rank is named whichever it is. Then every rank exits with HANG_EXIT_CODE, before the process-group
+timeout, so that torchrun's restarts or the scheduler resume the job from its last checkpoint.
 
 The watchdog is armed from the end of the first iteration (which may compile kernels for minutes without a
 collective) to the end of the loop, and not during checkpoint saves (torch.distributed.checkpoint's own
-collectives are not recorded). On CUDA, PyTorch's NCCL Flight Recorder is armed as well (TORCH_NCCL_*
-variables, unless already set), so that NCCL dumps its own record of collectives on a timeout.
+collectives are not recorded) nor the in-training downstream evaluation. On CUDA, PyTorch's NCCL Flight
+Recorder is armed as well (TORCH_NCCL_* variables, unless already set), so that NCCL dumps its own record of
+collectives on a timeout.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 
 import torch.distributed as dist
@@ -120,22 +124,54 @@ def thread_stacks() -> str:
     return "\n".join(blocks)
 
 
-class HangWatchdog:
-    """The watchdog thread of one rank; `arm`/`disarm` say when a stopped record counts as a hang."""
+class HangDeadline:
+    """How long a rank may make no progress before it reports: --hang-timeout-seconds where given; by default
+    STEP_FACTOR times the longest iteration seen so far, at least DEFAULT_FLOOR_S (a frozen rank is named about a
+    minute after the stall) and at most half the process-group timeout (which would end the run anyway)."""
 
-    def __init__(self, timeout_s: float, rank: int, world_size: int, group_names: dict[int, str], store,
+    DEFAULT_FLOOR_S = 60.0
+    STEP_FACTOR = 3.0
+
+    def __init__(self, fixed_s: float | None, cap_s: float):
+        self.fixed_s, self.cap_s = fixed_s, cap_s
+        self.longest_step_s = 0.0
+
+    def saw_step(self, seconds: float) -> None:
+        self.longest_step_s = max(self.longest_step_s, seconds)
+
+    def seconds(self) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        return min(max(self.DEFAULT_FLOOR_S, self.STEP_FACTOR * self.longest_step_s), self.cap_s)
+
+
+class HangWatchdog:
+    """The watchdog thread of one rank; `arm`/`disarm` say when a stopped record counts as a hang, `step_done`
+    arms it and tells the deadline how long the iteration took."""
+
+    def __init__(self, deadline: HangDeadline, rank: int, world_size: int, group_names: dict[int, str], store,
                  record: Progress = RECORD, exit_process=os._exit):
-        self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
+        self.deadline, self.rank, self.world_size = deadline, rank, world_size
         self.group_names, self.record, self.exit_process = group_names, record, exit_process
         self.store = dist.PrefixStore(_store_prefix(), store) if store is not None else None
         self.armed = False
+        self._armed_at: float | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
         self._thread.start()
 
     def arm(self) -> None:
-        self.record.set_step(self.record.step)  # the timeout counts from now
+        self.record.set_step(self.record.step)  # the deadline counts from now
+        self._armed_at = time.monotonic()
         self.armed = True
+
+    def step_done(self) -> None:
+        """An iteration ended: the time since the watchdog was last armed (this iteration, and any evaluation
+        after the one before) counts as a step's; the first iteration, which may compile for minutes, ends
+        before the watchdog is first armed and is not counted."""
+        if self.armed and self._armed_at is not None:
+            self.deadline.saw_step(time.monotonic() - self._armed_at)
+        self.arm()
 
     def disarm(self) -> None:
         self.armed = False
@@ -146,16 +182,18 @@ class HangWatchdog:
         self._thread.join()
 
     def _watch(self) -> None:
-        poll = min(1.0, self.timeout_s / 10)
-        while not self._closed.wait(poll):
-            if self.armed and self.record.idle_seconds() > self.timeout_s:
+        while not self._closed.wait(min(1.0, self.deadline.seconds() / 10)):
+            if self.armed and self.record.idle_seconds() > self.deadline.seconds():
                 self.report()
                 self.exit_process(HANG_EXIT_CODE)
                 return
 
     def report(self) -> str | None:
-        """Write this rank's record and stacks, publish the record; the last rank prints the summary (returned)."""
-        grace = max(10.0, self.timeout_s / 2)
+        """Write this rank's record and stacks and publish the record. The first rank to report (any rank still
+        able to run this thread: a frozen one never reports) gathers the records and prints the summary
+        (returned); the others wait for it, so that no rank's exit ends the job before it is printed."""
+        timeout_s = self.deadline.seconds()
+        grace = min(max(10.0, timeout_s / 4), 30.0)
         killer = threading.Timer(2 * grace, self.exit_process, (HANG_EXIT_CODE,))  # if the store does not answer
         killer.daemon = True
         killer.start()
@@ -166,16 +204,15 @@ class HangWatchdog:
         if self.store is None:
             return None
         self.store.set(f"record/{self.rank}", json.dumps(mine))
-        last = self.world_size - 1
-        if self.rank != last:
-            _wait(self.store, ["summary"], grace)  # the last rank prints before any rank's exit ends the job
+        if self.store.add("reporters", 1) != 1:
+            _wait(self.store, ["summary"], 2 * grace)
             return None
         records = {self.rank: mine}
         _wait(self.store, [f"record/{r}" for r in range(self.world_size)], grace)
         for r in range(self.world_size):
             if r != self.rank and self.store.check([f"record/{r}"]):
                 records[r] = json.loads(self.store.get(f"record/{r}"))
-        summary = hang_summary(records, self.world_size, self.timeout_s)
+        summary = hang_summary(records, self.world_size, timeout_s)
         sys.stderr.write(f"error (rank {self.rank}): {summary}\n")
         sys.stderr.flush()
         self.store.set("summary", summary)
@@ -187,19 +224,21 @@ def _wait(store, keys: list[str], seconds: float) -> None:
         store.wait(keys, datetime.timedelta(seconds=seconds))
 
 
-def hang_timeout_s(config: Config) -> float:
-    """--hang-timeout-seconds, or its default: half the process-group timeout (0: no watchdog)."""
+def hang_deadline(config: Config) -> HangDeadline | None:
+    """The deadline --hang-timeout-seconds sets (None for 0: no watchdog)."""
     t = config.training
-    return t.hang_timeout_seconds if t.hang_timeout_seconds is not None else 30 * t.distributed_timeout_minutes
+    if t.hang_timeout_seconds == 0:
+        return None
+    return HangDeadline(t.hang_timeout_seconds, 30 * t.distributed_timeout_minutes)
 
 
 def start_watchdog(config: Config, pstate: ParallelState) -> HangWatchdog | None:
-    """This rank's watchdog, disarmed, for a run of more than one rank with a timeout."""
-    timeout_s = hang_timeout_s(config)
-    if pstate.layout.world_size == 1 or not timeout_s:
+    """This rank's watchdog, disarmed, for a run of more than one rank with a deadline."""
+    deadline = hang_deadline(config)
+    if pstate.layout.world_size == 1 or deadline is None:
         return None
     RECORD.reset()
-    return HangWatchdog(timeout_s, pstate.rank, pstate.layout.world_size, pstate.group_names(),
+    return HangWatchdog(deadline, pstate.rank, pstate.layout.world_size, pstate.group_names(),
                         lifecycle.report_store(pstate.timeout))
 
 

@@ -38,7 +38,7 @@ from megatron_lite.pipeline import schedules
 from megatron_lite.planning.report import theoretical_memory_report
 from megatron_lite.training import memory_snapshots
 from megatron_lite.training.fault_tolerance import ReplicaGroup, data_parallel_position
-from megatron_lite.training.hang_report import arm_flight_recorder, hang_timeout_s, start_watchdog, unwatched
+from megatron_lite.training.hang_report import arm_flight_recorder, hang_deadline, start_watchdog, unwatched
 from megatron_lite.training.logging import TrainingLogger
 from megatron_lite.training.output_paths import check_written_locations
 from megatron_lite.training.profiling import StepProfiler
@@ -72,7 +72,7 @@ def initialize(config: Config) -> tuple[ParallelState, torch.device]:
                     hierarchical_cp=tuple(hierarchical_cp) if hierarchical_cp else None,
                     dist_opt_instances=p.num_distributed_optimizer_instances)
     timeout = lifecycle.timeout_of(config.training.distributed_timeout_minutes)
-    if world_size > 1 and device.type == "cuda" and hang_timeout_s(config):
+    if world_size > 1 and device.type == "cuda" and hang_deadline(config) is not None:
         arm_flight_recorder()
     if world_size > 1:
         lifecycle.join(device, timeout)
@@ -472,7 +472,7 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                 consumed_samples += metrics["global_batch_size"]
                 completed = iteration + 1
                 if watchdog is not None:
-                    watchdog.arm()  # from the end of the first step, which may compile for minutes
+                    watchdog.step_done()  # armed from the end of the first step, which may compile for minutes
                 metrics["consumed_samples"] = consumed_samples
                 if streamed is not None:
                     metrics["loader_tokens_per_sec"] = streamed.loader_tokens_per_sec()
@@ -504,8 +504,9 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                     break
                 iteration = completed
             if c.save:
-                checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer,
-                                             loader_state(consumed_samples))
+                with unwatched(watchdog):
+                    checkpointer.save_checkpoint(completed, consumed_samples, model, optimizer,
+                                                 loader_state(consumed_samples))
                 logger.log_checkpoint(completed)
     finally:
         if replica is not None:
