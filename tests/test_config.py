@@ -171,3 +171,34 @@ def test_a_field_without_a_docstring_is_refused():
 
     with pytest.raises(TypeError, match="Section.undocumented has no docstring"):
         field_docs(Section)
+
+
+def _float_flags() -> list[str]:
+    """Every configuration field whose value is a float number."""
+    names = []
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.type if isinstance(section.type, type) else type(getattr(Config(),
+                                                                                                     section.name))):
+            if f.type in (float, "float", "float | None", float | None):
+                names.append(f.name)
+    return names
+
+
+@pytest.mark.parametrize("value", [math.nan, -1e9])
+def test_every_bad_float_is_named_once(value):
+    """One owner per bound: a value outside its flag's range is one problem, not one per validator that reads
+    it (a NaN once said 'must be a finite number; ... must be a number of at least 0'). On DeepSeek-V3 with Muon,
+    so that the validators of multi-latent attention, YaRN, MTP and Muon all read their values."""
+    flags = _float_flags()
+    assert len(flags) > 40 and "mscale_all_dim" in flags and "muon_momentum" in flags
+    for name in flags:
+        try:
+            make_config({"model_preset": "deepseek-v3", "mock_data": True, "optimizer": "muon", name: value})
+            continue  # a value this flag may take (-1e9 for one without a lower bound)
+        except ConfigError as error:
+            problems = str(error).split("; ")
+        flag = name.replace("_", "-")
+        naming = [p for p in problems if f"{flag} ({value:g})" in p.replace("--", "") or f"{flag} ({value})" in p]
+        assert len(naming) <= 1, (name, problems)
+        if math.isnan(value):
+            assert naming == [f"{flag} (nan) must be a finite number"], (name, problems)

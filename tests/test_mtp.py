@@ -144,7 +144,7 @@ def test_mtp_stays_out_of_evaluation_and_generation():
 
 @pytest.mark.parametrize("values, expected", [
     ({"mtp_num_layers": 0}, r"mtp-num-layers \(0\) must be at least 1"),
-    ({"mtp_loss_scaling_factor": -0.1}, "--mtp-loss-scaling-factor must be a finite number >= 0"),
+    ({"mtp_loss_scaling_factor": -0.1}, r"mtp-loss-scaling-factor \(-0.1\) must not be negative"),
 ])
 def test_bad_mtp_flags_are_one_line(values, expected):
     with pytest.raises(ConfigError, match=expected):

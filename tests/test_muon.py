@@ -175,7 +175,7 @@ def test_newton_schulz_brings_singular_values_near_one():
      "--muon-num-ns-steps (5) must be at least 8 with --muon-coefficient-type polar_express"),
     ({"optimizer": "muon", "muon_scalar_optimizer": "lion"},
      "--muon-scalar-optimizer lion is not supported; use adam"),
-    ({"optimizer": "muon", "muon_momentum": 1.0}, "--muon-momentum (1.0) must be in [0, 1)"),
+    ({"optimizer": "muon", "muon_momentum": 1.0}, "muon-momentum (1.0) must be at least 0 and below 1"),
     ({"optimizer": "muon", "optimizer_cpu_offload": True},
      "--optimizer-cpu-offload steps AdamW only; drop it with --optimizer muon"),
 ])

@@ -14,31 +14,17 @@ from megatron_lite.config.layer_pattern import layer_pattern_problems
 if TYPE_CHECKING:
     from megatron_lite.config.sections import Config, ModelConfig
 
-_MLA_SIZES = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
-
 
 def _yarn_problems(m: ModelConfig) -> list[str]:
     problems = []
-    if not m.rotary_scaling_factor > 0:
-        problems.append(f"rotary-scaling-factor ({m.rotary_scaling_factor}) must be positive")
-    for name in ("mscale", "mscale_all_dim"):
-        if not math.isfinite(getattr(m, name)) or getattr(m, name) < 0:
-            problems.append(f"{name.replace('_', '-')} ({getattr(m, name)}) must be a number of at least 0")
-    if m.yarn_original_max_position_embeddings < 1:
-        problems.append(f"yarn-original-max-position-embeddings ({m.yarn_original_max_position_embeddings}) must be "
-                        f"at least 1")
-    if not m.yarn_beta_fast > m.yarn_beta_slow > 0:
-        problems.append(f"yarn-beta-fast ({m.yarn_beta_fast}) must exceed yarn-beta-slow ({m.yarn_beta_slow}), and "
-                        f"both be positive")
+    if math.isfinite(m.yarn_beta_fast) and m.yarn_beta_slow > 0 and not m.yarn_beta_fast > m.yarn_beta_slow:
+        problems.append(f"yarn-beta-fast ({m.yarn_beta_fast}) must exceed yarn-beta-slow ({m.yarn_beta_slow})")
     return problems
 
 
 def _attention_problems(m: ModelConfig) -> list[str]:
-    problems = [f"{name.replace('_', '-')} ({getattr(m, name)}) must be at least 1" for name in _MLA_SIZES
-                if getattr(m, name) < 1]
-    if m.q_lora_rank is not None and m.q_lora_rank < 1:
-        problems.append(f"q-lora-rank ({m.q_lora_rank}) must be at least 1, or unset for no query latent")
-    if m.qk_pos_emb_head_dim % 2:
+    problems = []
+    if m.qk_pos_emb_head_dim >= 1 and m.qk_pos_emb_head_dim % 2:
         problems.append(f"RoPE needs an even qk-pos-emb-head-dim, got {m.qk_pos_emb_head_dim}")
     if m.position_embedding_type != "rope":
         problems.append("--multi-latent-attention needs --position-embedding-type rope (its decoupled RoPE key)")

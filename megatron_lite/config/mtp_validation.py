@@ -3,7 +3,6 @@ group exists: one line per problem, saying what to change."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -11,12 +10,10 @@ if TYPE_CHECKING:
 
 
 def mtp_problems(config: Config) -> list[str]:
-    """What --mtp-num-layers and --mtp-loss-scaling-factor cannot be given, or not with what else is set."""
+    """What --mtp-num-layers cannot be given with what else is set (the bounds of single values are
+    validation.py's)."""
     m = config.model
     problems = []
-    factor = m.mtp_loss_scaling_factor
-    if not (math.isfinite(factor) and factor >= 0):
-        problems.append(f"--mtp-loss-scaling-factor must be a finite number >= 0 (got {factor})")
     if m.mtp_num_layers is None:
         return problems
     if m.mtp_num_layers >= m.seq_length:  # depth k predicts token i + k + 1: seq-length - k targets a sequence

@@ -43,7 +43,8 @@ def validate(config: Config, world_size: int, given: Iterable[str] = ()) -> None
         raise ConfigError("; ".join(problems))
 
 
-# The smallest value of each count or size flag; an unset (None) optional flag is not checked.
+# The bounds of single values, each checked here only: the other validators check how values relate. The
+# smallest value of each count or size flag; an unset (None) optional flag is not checked.
 _INT_MINIMUMS = {
     "num_layers": 1, "hidden_size": 1, "ffn_hidden_size": 1, "num_attention_heads": 1, "num_query_groups": 1,
     "seq_length": 1, "max_position_embeddings": 1, "vocab_size": 2, "make_vocab_size_divisible_by": 1,
@@ -64,16 +65,21 @@ _INT_MINIMUMS = {
     "kv_channels": 1, "rope_scaling_original_max_position_embeddings": 1, "mtp_num_layers": 1,
     "straggler_minmax_count": 1, "linear_attention_freq": 1, "linear_conv_kernel_dim": 1, "linear_key_head_dim": 1,
     "linear_value_head_dim": 1, "linear_num_key_heads": 1, "linear_num_value_heads": 1,
+    "kv_lora_rank": 1, "q_lora_rank": 1, "qk_head_dim": 1, "qk_pos_emb_head_dim": 1, "v_head_dim": 1,
+    "yarn_original_max_position_embeddings": 1, "muon_num_ns_steps": 1,
 }
 _POSITIVE_FLOATS = {"rotary_base", "activation_func_clamp_value", "norm_epsilon", "moe_expert_capacity_factor",
                     "moe_router_topk_scaling_factor",
                     "moe_router_bias_update_rate", "loss_scale", "initial_loss_scale",
                     "min_loss_scale", "exit_duration_in_mins", "distributed_timeout_minutes", "peak_tflops",
-                    "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor"}
+                    "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+                    "rotary_scaling_factor", "yarn_beta_slow", "muon_extra_scale_factor"}
 _NON_NEGATIVE_FLOATS = {"lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "init_method_std",
                         "moe_aux_loss_coeff", "moe_z_loss_coeff", "lr_warmup_init", "start_weight_decay",
-                        "end_weight_decay", "hang_timeout_seconds"}
-_FRACTIONS = {"hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction"}  # in [0, 1)
+                        "end_weight_decay", "hang_timeout_seconds", "mscale", "mscale_all_dim",
+                        "mtp_loss_scaling_factor"}
+_FRACTIONS = {"hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction",
+              "muon_momentum"}  # in [0, 1)
 
 
 def _router_problems(m) -> list[str]:
