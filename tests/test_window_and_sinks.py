@@ -193,3 +193,43 @@ def test_the_planned_softmax_attention_bytes_are_what_autograd_saves(attention, 
     tables = 2 * 4 * s * m.head_dim
     planned = softmax_attention_bytes(config, attention in MATERIALISED)
     assert saved_bytes(layer, x, positions, skip) == planned + tables
+
+
+@pytest.mark.parametrize("attention,documents", [*[(attention, False) for attention in ATTENTIONS],
+                                                 *[(attention, True) for attention in MATERIALISED]])
+def test_selective_recompute_keeps_only_the_core_attentions_inputs_for_every_softmax_attention(attention, documents):
+    """--recompute-granularity selective acts on every kind of softmax attention: with windows and sinks too the
+    saved bytes fall (the materialised scores are recomputed, not kept) to the planner's, the fused kernel's
+    inputs and output; and the recomputed layer's gradients equal the plain layer's."""
+    from megatron_lite.model.attention.self_attention import Documents, SelfAttention, rotary_embedding
+    from megatron_lite.parallel.state import ParallelState
+    from megatron_lite.planning.activation_memory import softmax_attention_bytes
+    from tests.helpers import saved_bytes
+
+    measured, planned, gradients = {}, {}, {}
+    for recompute in (None, "selective"):
+        values = {**TINY_2_LAYERS, "attention_dropout": 0.0, "micro_batch_size": 2, "reset_attention_mask": documents,
+                  "recompute_granularity": recompute, **ATTENTIONS[attention]}
+        config = make_config(values)
+        m = config.model
+        layer = SelfAttention(m, ParallelState.single(), sequence_parallel=False, backend="sdpa", rng_tracker=None,
+                              window=m.window_size[0] if m.window_size else None).train()
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # the layer alone: its weights are not initialised by a model
+            for parameter in layer.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+        s = m.seq_length
+        positions = rotary_embedding(m)(torch.arange(s))
+        if documents:
+            ids = torch.tensor([[0] * 12 + [1] * (s - 12)] * 2)
+            positions = positions._replace(documents=Documents(ids, torch.device("cpu")))
+        x = torch.randn(s, 2, m.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        skip = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
+        measured[recompute] = saved_bytes(layer, x, positions, skip) - 2 * 4 * s * m.head_dim  # less RoPE tables
+        planned[recompute] = softmax_attention_bytes(config, attention in MATERIALISED)
+        layer(x, positions).square().sum().backward()
+        gradients[recompute] = [x.grad, *(p.grad for p in layer.parameters())]
+    assert measured == planned
+    assert measured["selective"] < measured[None]
+    for plain, recomputed in zip(gradients[None], gradients["selective"]):
+        assert_close_relative(recomputed, plain, rel=1e-6)

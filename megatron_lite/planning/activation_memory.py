@@ -174,13 +174,14 @@ _DENSE_SOFTMAX = LayerKind()
 
 def softmax_attention_bytes(config: Config, materialised: bool) -> int:
     """Bytes one micro-batch saves in softmax attention beyond the QKV projection's input (module docstring): by a
-    fused kernel, or `materialised` by window_and_sinks.py's attention (a layer with a window, or any with sinks)."""
+    fused kernel, or `materialised` by window_and_sinks.py's attention (a layer with a window, or any with sinks).
+    Recomputed (selective), either core keeps only its inputs and output."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     e = param_bytes(config)
     tokens = _tokens(config)[0]
     d, nh, ng = m.head_dim, m.num_attention_heads // tp, m.num_query_groups // tp
     gate = e * 2 * nh * d if m.attention_output_gate else 0  # sigmoid(gate) and the gated output
-    if not materialised:
+    if not materialised or m.recompute_granularity == "selective":
         lse = 0 if m.recompute_granularity == "selective" else FP32 * nh
         query_rows = nh * (2 if m.attention_output_gate else 1)
         per_token = e * (query_rows + 2 * ng) * d  # QKV output

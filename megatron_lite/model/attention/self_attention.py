@@ -411,22 +411,28 @@ class SelfAttention(torch.nn.Module):
             q, k = apply_rotary(q, positions.cos, positions.sin), apply_rotary(k, positions.cos, positions.sin)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # [s_cached + s, b, ng/tp, d]
-        if self.window is not None or self.softmax_type != "vanilla":
-            sinks = self.sinks if self.softmax_type == "learnable" else (
-                q.new_zeros(q.shape[2]) if self.softmax_type == "off-by-one" else None)
-            documents = positions.documents.ids if positions.documents is not None else None
-            cp_group = self.core_attention.cp_group
-            if cp_group is not None:
-                out = context_parallel_window_sink_attention(q, k, v, cp_group, self.core_attention.cp_comm_type,
-                                                             window=self.window, sinks=sinks, document_ids=documents)
-            else:
-                out = window_sink_attention(q, k, v, window=self.window, sinks=sinks, document_ids=documents)
-        elif kv_cache is not None:
+        materialised = self.window is not None or self.softmax_type != "vanilla"
+        if kv_cache is not None and not materialised:
             out = cached_causal_attention(q, k, v)
-        elif self.recompute_core_attention and self.training:
-            out = checkpoint(self.core_attention, self.core_attention.rng_tracker, q, k, v, positions.documents)
         else:
-            out = self.core_attention(q, k, v, positions.documents)
+            core = self._window_sink_attention if materialised else self.core_attention
+            if self.recompute_core_attention and self.training:
+                out = checkpoint(core, self.core_attention.rng_tracker, q, k, v, positions.documents)
+            else:
+                out = core(q, k, v, positions.documents)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.linear_proj(out)
+
+    def _window_sink_attention(self, q, k, v, documents):
+        """The core attention of a layer with a window or sinks (window_and_sinks.py; over the CP group under
+        context parallelism), which materialises its scores: --recompute-granularity selective recomputes it as
+        it does the fused kernel."""
+        sinks = self.sinks if self.softmax_type == "learnable" else (
+            q.new_zeros(q.shape[2]) if self.softmax_type == "off-by-one" else None)
+        document_ids = documents.ids if documents is not None else None
+        cp_group = self.core_attention.cp_group
+        if cp_group is not None:
+            return context_parallel_window_sink_attention(q, k, v, cp_group, self.core_attention.cp_comm_type,
+                                                          window=self.window, sinks=sinks, document_ids=document_ids)
+        return window_sink_attention(q, k, v, window=self.window, sinks=sinks, document_ids=document_ids)
