@@ -27,6 +27,7 @@ import torch
 from megatron_lite.config.layer_pattern import layer_list_expression, linear_attention_pattern, moe_layer_pattern
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.files import is_a
+from megatron_lite.hf.config_bounds import check_bounds
 from megatron_lite.hf.gpt_oss import gpt_oss_config, gpt_oss_refusal, gpt_oss_values
 from megatron_lite.hf.llama_config import (
     LLAMA3_ROPE_FLAGS,
@@ -237,7 +238,8 @@ _OBJECT_KEYS = ("rope_parameters", "rope_scaling")
 
 
 def _check_types(hf: dict) -> None:
-    """A ConversionError naming the first key of config.json (or of its RoPE parameters) of the wrong type."""
+    """A ConversionError naming the first key of config.json (or of its RoPE parameters) of the wrong type, or out
+    of its range (config_bounds.py)."""
     records = [("config.json", hf)] + [(f"config.json's {key}", hf[key]) for key in _OBJECT_KEYS
                                        if isinstance(hf.get(key), dict)]
     for where, record in records:
@@ -247,6 +249,7 @@ def _check_types(hf: dict) -> None:
                 value = record.get(key)
                 if value is not None and not is_a(value, kind):
                     raise ConversionError(f"{where}: '{key}' is {json.dumps(value)[:40]}, expected {name}")
+    check_bounds(hf, _OBJECT_KEYS)
 
 
 def model_values_from_hf(hf: dict) -> dict:
