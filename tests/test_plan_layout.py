@@ -99,6 +99,23 @@ def test_a_layout_that_cannot_fit_is_refused_with_the_rank_and_bytes_over(capsys
     assert plan_layout.main([*flags[:-2], "--gpu-memory-gib", str(record["max_rank_bytes"] / 2**30)]) == 0
 
 
+def test_no_fitting_layout_is_one_line_naming_the_smallest_world_size_with_one(capsys):
+    flags = ["--model-preset", "llama-tiny", "--global-batch-size", "8", "--top", "0", "--json"]
+    smallest = {}
+    for world_size in (1, 2, 4):
+        assert plan_layout.main([*flags, "--world-size", str(world_size), "--gpu-memory-gib", "1000"]) == 0
+        layouts = json.loads(capsys.readouterr().out)["layouts"]
+        smallest[world_size] = min(layout["max_rank_bytes"] for layout in layouts)
+    assert smallest[4] < smallest[2] < smallest[1]
+    between = (smallest[2] + smallest[1]) / 2 / 2**30  # fits on two ranks, not on one
+    for tail in ([], ["--json"]):
+        assert plan_layout.main([*flags[:-3], "--world-size", "1", "--gpu-memory-gib", str(between), *tail]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err == (f"plan_layout.py: error: no layout of 1 rank fits in {between:g} GiB per rank; the "
+                                f"smallest power-of-two multiple of it with one is --world-size 2\n")
+
+
 def test_json_lists_valid_layouts_fastest_first(capsys):
     assert plan_layout.main(["--model-preset", "llama-tiny", "--world-size", "4", "--global-batch-size", "8",
                              "--gpu-memory-gib", "0.01", "--top", "0", "--json"]) == 0

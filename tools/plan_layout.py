@@ -42,6 +42,7 @@ LAYOUT_FLAGS = {"tensor_model_parallel_size", "context_parallel_size", "pipeline
                 "expert_model_parallel_size", "expert_tensor_parallel_size", "num_layers_per_virtual_pipeline_stage",
                 "num_virtual_stages_per_pipeline_rank", "use_distributed_optimizer", "data_parallel_sharding_strategy",
                 "num_distributed_optimizer_instances", "recompute_granularity"}
+SEARCH_LIMIT = 1024  # when no layout fits, world sizes up to this many times --world-size are tried
 
 
 def planner_parser() -> ToolParser:
@@ -106,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     if not plans and not found.over_in_state:
         print(f"plan_layout.py: error: {_refusal_of_all(refused)}", file=sys.stderr)
         return 2
+    if not any(plan.fits for plan in plans):
+        print(f"plan_layout.py: error: {_none_fits(values, args, memory, hardware, schedules, fractions)}",
+              file=sys.stderr)
+        return 1
     top = args.top or None
     if args.json:
         print(json.dumps({"world_size": args.world_size, "gpu_memory_bytes": memory,
@@ -127,6 +132,23 @@ def main(argv: list[str] | None = None) -> int:
         print("\nthe fastest that fits, per rank:")
         print("\n".join(report.plan_lines(fitting[0])))
     return 0
+
+
+def _none_fits(values: dict, args, memory: int, hardware, schedules, fractions) -> str:
+    """Why no layout of --world-size fits, with the smallest world size that has one (doubling the ranks, up to
+    SEARCH_LIMIT times the ranks given)."""
+    from megatron_lite.planning.layouts import enumerate_plans
+
+    ranks = "1 rank" if args.world_size == 1 else f"{args.world_size} ranks"
+    head = f"no layout of {ranks} fits in {args.gpu_memory_gib:g} GiB per rank"
+    world_size = args.world_size * 2
+    while world_size <= args.world_size * SEARCH_LIMIT:
+        found = enumerate_plans(values, world_size, memory, hardware, schedules, fractions)
+        if any(plan.fits for plan in found.plans):
+            return f"{head}; the smallest power-of-two multiple of it with one is --world-size {world_size}"
+        world_size *= 2
+    return (f"{head}, nor does one of any power-of-two multiple up to {args.world_size * SEARCH_LIMIT} ranks; more "
+            f"memory per rank, or a smaller model")
 
 
 def _refusal_of_all(refused: Counter) -> str:
