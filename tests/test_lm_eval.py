@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness import run_entry_on_ranks
 from tests.helpers import HF_VOCAB, convert, hf_config, word_level_tokenizer
 from tests.tolerances import assert_close_relative
 
@@ -149,21 +150,34 @@ def hf_scores(models_and_tasks) -> dict:
 
 
 @pytest.mark.parametrize("ranks,layout", [(4, (2, 2)), (2, (1, 1))], ids=["tp2xpp2", "dp2"])
-def test_scores_at_tp2_pp2_and_dp2_under_torchrun_equal_the_hf_models(models_and_tasks, hf_scores, ranks, layout,
-                                                                      tmp_path):
-    """Under torchrun: heads split over TP and the layers over two pipeline stages (four processes), or the
-    requests over two data-parallel replicas (lm-eval splits them by rank and gathers to rank 0; every task has
-    an odd number of documents, so one rank holds fewer and lm-eval pads it)."""
+def test_scores_at_tp2_pp2_and_dp2_on_several_ranks_equal_the_hf_models(models_and_tasks, hf_scores, ranks, layout,
+                                                                         tmp_path):
+    """On ranks started as torchrun starts them: heads split over TP and the layers over two pipeline stages
+    (four processes), or the requests over two data-parallel replicas (lm-eval splits them by rank and gathers to
+    rank 0; every task has an odd number of documents, so one rank holds fewer and lm-eval pads it)."""
     _, mlite_dir, task_dir = models_and_tasks
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "results.pt"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         str(root / "tests" / "lm_eval_on_ranks.py"), str(out), mlite_dir, task_dir, *map(str, layout), *TASKS],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "HF_DATASETS_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr[-4000:]
+    runs = run_entry_on_ranks(ranks, [str(out), mlite_dir, task_dir, *map(str, layout), *TASKS],
+                              {"HF_DATASETS_OFFLINE": "1"}, timeout=600, entry="tests.lm_eval_on_ranks")
+    assert all(run.code == 0 for run in runs), "".join(run.stderr for run in runs)[-4000:]
     _compare(torch.load(out, weights_only=False), hf_scores, TASKS)
+
+
+def test_model_args_it_does_not_take_are_one_line(models_and_tasks):
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.evaluation.harness_model import MegatronLiteLM
+
+    _, mlite_dir, _ = models_and_tasks
+    with pytest.raises(ConfigError, match=r"takes no 'pretrained'; the megatron_lite model reads a checkpoint "
+                                          r"directory: load=DIR"):
+        MegatronLiteLM.create_from_arg_string(f"pretrained={mlite_dir}")
+    with pytest.raises(ConfigError, match=r"takes no 'itertion'; did you mean iteration\?"):
+        MegatronLiteLM.create_from_arg_string(f"load={mlite_dir},itertion=0", {"batch_size": 4, "device": "cpu"})
+    with pytest.raises(ConfigError, match=r"give the checkpoint, load=DIR"):
+        MegatronLiteLM.create_from_arg_string("", {"batch_size": 4, "max_batch_size": None})
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size x pipeline_model_parallel_size \(2 x 1\) "
+                                          r"must divide the 1 process\(es\)"):
+        MegatronLiteLM.create_from_arg_string(f"load={mlite_dir},tensor_model_parallel_size=2")
 
 
 def test_a_checkpoint_without_a_tokenizer_is_one_line(tmp_path):
@@ -264,7 +278,7 @@ def test_downstream_scores_during_training_equal_the_harness_on_the_checkpoints_
                                limit=4), tasks)
 
 
-def test_eval_tasks_that_cannot_run_are_one_line_before_training():
+def test_eval_tasks_that_cannot_run_are_one_line_before_training(models_and_tasks, tmp_path):
     from megatron_lite.config.arguments import make_config
     from megatron_lite.errors import ConfigError
     from megatron_lite.evaluation.in_training import DownstreamEvaluation
@@ -274,6 +288,13 @@ def test_eval_tasks_that_cannot_run_are_one_line_before_training():
         DownstreamEvaluation(make_config({**base, "eval_tasks": ["words_choice"]}))
     with pytest.raises(ConfigError, match="lm-eval knows no task 'no_such_task'"):
         DownstreamEvaluation(make_config({**base, "eval_tasks": ["no_such_task"], "tokenizer_type":
+                                          "SentencePieceTokenizer", "tokenizer_model": "unused.model"}))
+    _, _, task_dir = models_and_tasks  # a task of your own whose documents are not where it says
+    task = (Path(task_dir) / "words_choice.yaml").read_text().replace("task: words_choice", "task: no_data")
+    (tmp_path / "no_data.yaml").write_text(task.replace(str(Path(task_dir) / "words_choice.jsonl"),
+                                                        str(tmp_path / "absent.jsonl")))
+    with pytest.raises(ConfigError, match=r"--eval-tasks: task 'no_data' cannot load its documents: .*absent.jsonl"):
+        DownstreamEvaluation(make_config({**base, "eval_tasks": [str(tmp_path / "no_data.yaml")], "tokenizer_type":
                                           "SentencePieceTokenizer", "tokenizer_model": "unused.model"}))
 
 

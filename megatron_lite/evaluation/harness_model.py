@@ -25,6 +25,7 @@ takes it from the configuration.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 
@@ -37,13 +38,31 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from megatron_lite.checkpoint.directory import read_metadata
-from megatron_lite.errors import CheckpointError
+from megatron_lite.errors import CheckpointError, ConfigError
 from megatron_lite.evaluation.model_runner import ModelRunner
 from megatron_lite.hf.checkpoint import config_from_metadata, resolve_checkpoint
 from megatron_lite.inference.checkpoint_tokenizer import find_tokenizer
 from megatron_lite.parallel import mappings
 
 DEFAULT_MAX_GEN_TOKS = 256
+MODEL_ARGS = ("load", "iteration", "tokenizer_type", "tokenizer_model", "batch_size", "device",
+              "tensor_model_parallel_size", "pipeline_model_parallel_size")
+HARNESS_EXTRAS = {"max_batch_size"}  # what lm-eval passes every model beside --model_args
+
+
+def check_model_args(load: str | None, extra: dict) -> None:
+    """One line for --model_args the megatron_lite model does not take (a misspelling would be ignored, and the
+    hf model's `pretrained` would leave `load` unset), naming the closest it takes."""
+    unknown = sorted(set(extra) - HARNESS_EXTRAS)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], MODEL_ARGS, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        if unknown[0] == "pretrained":
+            hint = "; the megatron_lite model reads a checkpoint directory: load=DIR"
+        raise ConfigError(f"--model_args: the megatron_lite model takes no '{unknown[0]}'{hint} (it takes "
+                          f"{', '.join(MODEL_ARGS)})")
+    if load is None:
+        raise ConfigError("--model_args: give the checkpoint, load=DIR (a --save directory or one iteration of it)")
 
 
 @register_model("megatron_lite")
@@ -51,10 +70,11 @@ class MegatronLiteLM(TemplateLM):
     """lm-eval's LM over a megatron_lite checkpoint (`load`: a --save directory or one iteration of it), at
     `tensor_model_parallel_size` x `pipeline_model_parallel_size` under torchrun (data parallel the rest)."""
 
-    def __init__(self, load: str, iteration: int | None = None, tokenizer_type: str | None = None,
+    def __init__(self, load: str | None = None, iteration: int | None = None, tokenizer_type: str | None = None,
                  tokenizer_model: str | None = None, batch_size: int | str = 8, device: str = "cpu",
                  tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, **kwargs):
         super().__init__()
+        check_model_args(load, kwargs)
         path = resolve_checkpoint(load, None if iteration is None else int(iteration))
         if str(device).startswith("cuda") and not torch.cuda.is_available():  # lm_eval's default is cuda
             print(f"note: --device {device} is not available here; evaluating on the CPU", file=sys.stderr)

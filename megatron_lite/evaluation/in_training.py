@@ -60,6 +60,19 @@ def _scalar_name(task: str, key: str) -> str:
     return f"{task}/{metric}" if filter_name == "none" else f"{task}/{metric}_{filter_name}"
 
 
+def _check_task_data(tasks: list[str], task_manager) -> None:
+    """Load each task once, its documents included, so that a task whose data is missing or unreadable stops the
+    run in one line before any step instead of at its first evaluation."""
+    from lm_eval.tasks import get_task_dict
+
+    for task in tasks:
+        try:
+            get_task_dict([task], task_manager)
+        except (OSError, ValueError) as error:  # a missing file, a dataset that is not here offline
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ConfigError(f"--eval-tasks: task {task!r} cannot load its documents: {message}") from None
+
+
 class DownstreamEvaluation:
     """Scores --eval-tasks on the training model: `evaluation(model, pstate, device)` -> {task/metric: value}."""
 
@@ -84,6 +97,7 @@ class DownstreamEvaluation:
         if unknown:
             raise ConfigError(f"--eval-tasks: lm-eval knows no task {unknown[0]!r} (lm_eval ls tasks lists them; a "
                               f"task of your own is a YAML file, given by its path)")
+        _check_task_data(self.tasks, self.task_manager)
         self.tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, config.model.vocab_size)
 
     def __call__(self, model: list, pstate, device) -> dict[str, float]:

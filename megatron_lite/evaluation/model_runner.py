@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_lite.checkpoint.checkpointing import Checkpointer
 from megatron_lite.checkpoint.directory import read_metadata
 from megatron_lite.config.arguments import make_config
+from megatron_lite.errors import ConfigError
 from megatron_lite.hf.checkpoint import config_from_metadata, model_flags
 from megatron_lite.inference.generation import generate
 from megatron_lite.inference.sampling_params import SamplingParams
@@ -49,6 +50,10 @@ class ModelRunner:
         world, in eval mode; max_length is its --max-position-embeddings."""
         saved = config_from_metadata(read_metadata(path))
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group is joined in initialize
+        if tp < 1 or pp < 1 or world % (tp * pp):
+            raise ConfigError(f"--model_args tensor_model_parallel_size x pipeline_model_parallel_size ({tp} x {pp}) "
+                              f"must divide the {world} process(es); launch a multiple of {max(tp, 1) * max(pp, 1)} "
+                              f"with torchrun")
         max_length = saved.model.max_position_embeddings
         values = {**model_flags(saved.model), "seq_length": max_length, "mock_data": True,
                   "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
