@@ -112,6 +112,10 @@ def test_a_killed_replica_group_is_dropped_and_rejoins_from_its_peer(tmp_path):
     ({"ft_lighthouse": None}, r"--fault-tolerance torchft needs the lighthouse's address: --ft-lighthouse"),
     ({"rampup_batch_size": [2, 2, 8], "train_samples": 64, "train_iters": None},
      "--fault-tolerance does not support --rampup-batch-size"),
+    ({"ft_lighthouse": "127.0.0.1:29499"}, r"--ft-lighthouse 127.0.0.1:29499 must be the lighthouse's URL, "
+                                           r"http://HOST:PORT"),
+    ({"ft_lighthouse": "http://localhost"}, r"--ft-lighthouse http://localhost must be the lighthouse's URL"),
+    ({"ft_lighthouse": "http://localhost:port"}, r"--ft-lighthouse http://localhost:port must be the lighthouse's"),
 ])
 def test_fault_tolerance_settings_that_cannot_work_are_one_line(values, message, monkeypatch):
     from megatron_lite.config.arguments import make_config
@@ -123,6 +127,22 @@ def test_fault_tolerance_settings_that_cannot_work_are_one_line(values, message,
     with pytest.raises(ConfigError, match=message) as error:
         make_config({**base, **values})
     assert "\n" not in str(error.value)
+
+
+def test_a_lighthouse_that_does_not_answer_is_one_line_before_the_quorum_waits(tmp_path):
+    """Nothing listens at --ft-lighthouse: every rank stops at start-up with one line naming the flag and its
+    address, instead of waiting torchft's quorum timeout."""
+    from tests.harness import run_entry_on_ranks
+    from tests.launching import free_port
+    from tests.replica_groups import TINY
+
+    address = f"http://127.0.0.1:{free_port()}"
+    runs = run_entry_on_ranks(2, [*TINY, "--global-batch-size", "2", "--train-iters", "2", "--fault-tolerance",
+                                  "torchft", "--ft-lighthouse", address], timeout=120)
+    for rank, run in enumerate(runs):
+        assert run.code != 0
+        lines = [line for line in run.stderr.splitlines() if line.startswith(f"error (rank {rank})")]
+        assert len(lines) == 1 and f"--ft-lighthouse {address}: no lighthouse answers there" in lines[0], run.stderr
 
 
 def test_the_launcher_starts_a_lighthouse_and_the_replica_groups(tmp_path):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import urllib.parse
 from dataclasses import dataclass
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -31,3 +32,16 @@ class FaultToleranceConfig:
 
     def lighthouse_address(self) -> str | None:
         return self.ft_lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+
+
+def lighthouse_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) of a lighthouse URL, http(s)://HOST:PORT, or None for anything else (torchft's client reads
+    only such a URL, and a bare HOST:PORT ends in its quorum timeout, with no word of the address)."""
+    try:
+        parts = urllib.parse.urlsplit(address)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        return None
+    return parts.hostname, port

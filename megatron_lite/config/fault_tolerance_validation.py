@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from megatron_lite.config.fault_tolerance import LIGHTHOUSE_ENV
+from megatron_lite.config.fault_tolerance import LIGHTHOUSE_ENV, lighthouse_endpoint
 
 if TYPE_CHECKING:
     from megatron_lite.config.sections import Config
@@ -25,9 +25,14 @@ def fault_tolerance_problems(config: Config) -> list[str]:
     if not 1 <= t.ft_min_replica_size <= t.ft_num_replica_groups:
         problems.append(f"ft-min-replica-size ({t.ft_min_replica_size}) must be in 1 .. ft-num-replica-groups "
                         f"({t.ft_num_replica_groups})")
-    if t.lighthouse_address() is None:
+    address = t.lighthouse_address()
+    if address is None:
         problems.append(f"--fault-tolerance torchft needs the lighthouse's address: --ft-lighthouse "
                         f"http://HOST:PORT or ${LIGHTHOUSE_ENV}")
+    elif lighthouse_endpoint(address) is None:
+        given = f"--ft-lighthouse {address}" if t.ft_lighthouse else f"${LIGHTHOUSE_ENV} ({address})"
+        problems.append(f"{given} must be the lighthouse's URL, http://HOST:PORT (torchft's lighthouse prints it "
+                        f"as it starts)")
     if t.rampup_batch_size is not None:
         problems.append("--fault-tolerance does not support --rampup-batch-size: a healed group finds its data by "
                         "its step, so each step must take the same samples")
