@@ -349,3 +349,33 @@ def test_unsupported_variants_and_targets_are_one_line(converted, tmp_path):
     exported = _copy_mlite(converted, tmp_path, normalization="LayerNorm")
     message = one_line_error("--direction", "mlite-to-hf", "--load-dir", exported, "--save-dir", str(tmp_path / "hf"))
     assert "no Hugging Face model type has this network" in message
+
+
+def test_a_failed_conversion_leaves_nothing_in_the_save_dir_and_runs_again(tmp_path, monkeypatch):
+    """A disk that fills while the checkpoint is written fails the conversion; --save-dir is left as it was (here:
+    absent), so the same command, once there is room, converts."""
+    import errno
+
+    import transformers
+
+    from megatron_lite.hf import checkpoint
+    from tests.helpers import convert, hf_config
+
+    hf_dir, save_dir = tmp_path / "hf", tmp_path / "mlite"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf_config("llama")).save_pretrained(hf_dir)
+    write = checkpoint.write_model_checkpoint
+
+    def disk_fills(root, *args, **kwargs):
+        os.makedirs(os.path.join(root, "iter_0000000.tmp"), exist_ok=True)
+        with open(os.path.join(root, "iter_0000000.tmp", "__0_0.distcp"), "wb") as f:
+            f.write(b"\0" * 1024)
+        raise OSError(errno.ENOSPC, "No space left on device", f.name)
+
+    monkeypatch.setattr(checkpoint, "write_model_checkpoint", disk_fills)
+    with pytest.raises(SystemExit, match="convert_checkpoint.py: error: .*No space left on device"):
+        convert("--direction", "hf-to-mlite", "--load-dir", str(hf_dir), "--save-dir", str(save_dir))
+    assert not save_dir.exists()
+    monkeypatch.setattr(checkpoint, "write_model_checkpoint", write)
+    convert("--direction", "hf-to-mlite", "--load-dir", str(hf_dir), "--save-dir", str(save_dir))
+    assert (save_dir / "latest_checkpointed_iteration.txt").exists()

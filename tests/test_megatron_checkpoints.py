@@ -298,3 +298,21 @@ def test_load_of_a_megatron_checkpoint_names_the_conversion(saved):
         problem = load_problem(str(path))
         assert "is a Megatron-LM checkpoint: convert it with tools/convert_checkpoint.py --direction " \
                "megatron-to-mlite" in problem
+
+
+def test_an_export_megatron_could_not_load_is_one_line_and_writes_nothing(tmp_path):
+    """A target TP that does not divide the heads is refused as the other directions refuse it, before any
+    write (it once exited 0 with a checkpoint Megatron-LM refuses)."""
+    import transformers
+
+    from tests.helpers import convert, hf_config
+
+    hf_dir, mlite_dir, save_dir = tmp_path / "hf", tmp_path / "mlite", tmp_path / "mlm"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf_config("llama")).save_pretrained(hf_dir)
+    convert("--direction", "hf-to-mlite", "--load-dir", str(hf_dir), "--save-dir", str(mlite_dir))
+    with pytest.raises(SystemExit, match=r"cannot be written for Megatron-LM at TP3 x PP1: .*num-attention-heads "
+                                         r"\(4\) must be divisible by tensor-model-parallel-size \(3\)"):
+        convert("--direction", "mlite-to-megatron", "--load-dir", str(mlite_dir), "--save-dir", str(save_dir),
+                "--target-tensor-parallel-size", "3")
+    assert not save_dir.exists()

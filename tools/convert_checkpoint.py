@@ -31,6 +31,7 @@ was trained with under this framework's names; mlite-to-megatron writes Megatron
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -243,11 +244,30 @@ def shard_size(text: str) -> int:
     return size
 
 
+@contextlib.contextmanager
+def _removed_on_failure(path: str):
+    """A conversion that fails (or is interrupted) takes with it what it wrote into --save-dir, so that the same
+    command can run again; a directory that held something before is refused before any write."""
+    created = not os.path.exists(path)
+    fresh = created or (os.path.isdir(path) and not os.listdir(path))
+    try:
+        yield
+    except BaseException:
+        if fresh and os.path.isdir(path):
+            for child in os.listdir(path):
+                child = os.path.join(path, child)
+                shutil.rmtree(child) if os.path.isdir(child) and not os.path.islink(child) else os.remove(child)
+            if created:
+                os.rmdir(path)
+        raise
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
     try:
-        DIRECTIONS[args.direction](args)
+        with _removed_on_failure(args.save_dir):
+            DIRECTIONS[args.direction](args)
     except UserError as error:  # ConversionError, CheckpointError, a DataError of a carried tokenizer file
         sys.exit(f"convert_checkpoint.py: error: {error}")
     except OSError as error:  # a directory that cannot be written, a full disk

@@ -208,6 +208,17 @@ def _megatron_entries(name: str, tensor: torch.Tensor, config: Config, vocab_row
     return boxes, extra
 
 
+def _not_written_for_megatron(m) -> str | None:
+    """What of the model this export does not write under Megatron-Core's own names, or None."""
+    if m.multi_latent_attention or m.mtp_num_layers:
+        return "multi-latent attention or multi-token prediction"
+    if m.experimental_attention_variant is not None:
+        return f"{m.experimental_attention_variant} layers"
+    if m.window_size is not None or m.softmax_type != "vanilla":
+        return "sliding windows or attention sinks"
+    return None
+
+
 def mlite_to_megatron(load_dir: str, save_dir: str, iteration: int | None, layout: dict, progress=iter) -> str:
     """Write the checkpoint `load_dir` names as a Megatron-LM torch_dist checkpoint in `save_dir`, padded for
     `layout` (tensor/pipeline/expert_model_parallel_size); returns the iteration directory."""
@@ -215,9 +226,16 @@ def mlite_to_megatron(load_dir: str, save_dir: str, iteration: int | None, layou
     checkpoint = ModelCheckpoint(path)
     config = config_from_metadata(checkpoint.saved)
     m = config.model
-    if m.multi_latent_attention or m.mtp_num_layers:
-        raise ConversionError(f"{path} has multi-latent attention or multi-token prediction, which are not written "
-                              f"in Megatron-LM's format yet; export it with --direction mlite-to-hf instead")
+    unwritten = _not_written_for_megatron(m)
+    if unwritten:
+        raise ConversionError(f"{path} has {unwritten}, which Megatron-LM's format is not written with here yet; "
+                              f"export it with --direction mlite-to-hf instead")
+    tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
+    try:  # Megatron-LM refuses at load what does not split, after the export claimed success
+        make_config({**model_flags(m), "mock_data": True, "tensor_model_parallel_size": tp,
+                     "pipeline_model_parallel_size": pp}, tp * pp)
+    except ConfigError as error:
+        raise ConversionError(f"{path} cannot be written for Megatron-LM at TP{tp} x PP{pp}: {error}") from None
     iteration, consumed = checkpoint.saved["iteration"], checkpoint.saved["consumed_samples"]
     vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, layout["tensor_model_parallel_size"])
     moe_layers = moe_layer_pattern(m) if m.num_experts else [False] * m.num_layers
