@@ -2,7 +2,7 @@
 benchmarks/results/test_durations.jsonl with the date, the machine and its load, so that the suite's budget
 (10 minutes on 2 cores) is watched between runs and a new slow file is seen in review.
 
-Runs the suite as scripts/run_tests.sh does (two pytest-xdist workers, one thread per process, offline) with
+Runs the suite as scripts/run_tests.sh does (three pytest-xdist workers, one thread per process, offline) with
 pytest's JUnit report, or reads the report of a run already made (--junit). A file's time is the sum of its
 tests' setup, call and teardown (pytest's junit `time`), so a module fixture counts in the file that starts it
 and a shared gloo world in the first file of its worker that asks for it; with two workers the files overlap,
@@ -25,7 +25,7 @@ import xml.etree.ElementTree as ElementTree
 from benchmarks.results_file import record_result
 
 SUITE_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-SUITE_ARGUMENTS = ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "tests"]  # as scripts/run_tests.sh
+SUITE_ARGUMENTS = ["-n", "3", "--dist", "loadfile", "--no-loadscope-reorder", "tests"]  # as scripts/run_tests.sh
 
 
 def cpu_model() -> str:
