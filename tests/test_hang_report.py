@@ -175,12 +175,11 @@ def test_a_frozen_first_middle_or_last_rank_is_named_by_a_live_one_with_default_
         live = ", ".join(str(r) for r in range(4) if r != rank)
         assert re.search(rf"ranks {live} of the 4 in the \S+ group are in all_reduce #\d+", summaries[0]), summaries
         assert summaries[0].endswith(f"rank {rank} did not report (dead, or stopped holding the interpreter)")
-    restarts = {rank: _launch(argv, {}) for rank, (argv, _, _) in runs.items()}
     reference = str(tmp_path / "reference.jsonl")
-    uninterrupted = _launch(FROZEN_ARGV + ["--train-iters", "60", "--metrics-jsonl", reference], {})
-    for process in [*restarts.values(), uninterrupted]:
-        _, stderr = process.communicate(timeout=300)
-        assert process.returncode == 0, stderr[-3000:]
+    for argv in [*(argv for argv, _, _ in runs.values()), FROZEN_ARGV + ["--train-iters", "60", "--metrics-jsonl",
+                                                                        reference]]:
+        run = _run(4, argv)  # the restarts, then the uninterrupted run: plain runs, on forked ranks
+        assert run.code == 0, run.stderr[-3000:]
     for _, metrics, _ in runs.values():
         assert _losses(metrics) == _losses(reference)
 
