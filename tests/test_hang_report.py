@@ -6,6 +6,7 @@ middle or last, is named by a live one. No report fires while a save or an evalu
 Sleeping ranks run as forked ranks of the test server (tests/harness.run_entry_on_ranks); frozen ones under
 real torchrun, whose agent serves the store that a frozen rank 0 would otherwise hold."""
 
+import concurrent.futures
 import json
 import os
 import re
@@ -140,6 +141,19 @@ def _launch(argv: list[str], env: dict) -> subprocess.Popen:
                             **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _freeze_after_iteration_5(process: subprocess.Popen, rank: int) -> dict[int, int]:
+    """SIGSTOP global rank `rank` of a torchrun as soon as it logs iteration 5, inside iteration 6's step (the
+    saves every 4 iterations are far: a rank frozen inside a save, which the watchdog does not watch, would be
+    left to the process-group timeout); returns the workers by rank."""
+    for line in process.stdout:
+        logged = re.search(r"iteration +(\d+)/", line)
+        if logged and int(logged[1]) >= 5:
+            workers = {worker_rank(pid): pid for pid in children_of(process.pid)}
+            os.kill(workers[rank], signal.SIGSTOP)
+            return workers
+    return {}
+
+
 @pytest.mark.slow
 def test_a_frozen_first_middle_or_last_rank_is_named_by_a_live_one_with_default_flags(tmp_path):
     """SIGSTOP (a hung host or device: no thread of the process runs) on rank 0, 2 or 3 of a DP4 run: a live
@@ -150,17 +164,15 @@ def test_a_frozen_first_middle_or_last_rank_is_named_by_a_live_one_with_default_
     runs = {}
     for rank in frozen_ranks:
         save, metrics = str(tmp_path / f"ckpt{rank}"), str(tmp_path / f"run{rank}.jsonl")
-        argv = FROZEN_ARGV + ["--train-iters", "60", "--save", save, "--load", save, "--save-interval", "2",
+        argv = FROZEN_ARGV + ["--train-iters", "60", "--save", save, "--load", save, "--save-interval", "4",
                               "--metrics-jsonl", metrics]
         runs[rank] = (argv, metrics, _launch(argv, {"PACE_SECONDS": "0.3"}))
     try:
-        for rank, (_, _, process) in runs.items():
-            for line in process.stdout:
-                if re.search(r"iteration +\d+/", line) and int(re.search(r"iteration +(\d+)/", line)[1]) >= 5:
-                    break
-            workers = {worker_rank(pid): pid for pid in children_of(process.pid)}
-            assert sorted(workers) == [0, 1, 2, 3], workers
-            os.kill(workers[rank], signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:  # each frozen as soon as it logs iteration 5
+            frozen = {rank: pool.submit(_freeze_after_iteration_5, process, rank)
+                      for rank, (_, _, process) in runs.items()}
+            for rank, workers in frozen.items():
+                assert sorted(workers.result()) == [0, 1, 2, 3], (rank, workers.result())
         stderrs = {rank: process.communicate(timeout=400)[1] for rank, (_, _, process) in runs.items()}
     finally:
         for _, _, process in runs.values():
