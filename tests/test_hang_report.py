@@ -59,6 +59,20 @@ def test_the_summary_starts_from_the_collective_held_up_by_a_rank_waiting_nowher
                             "#30 over the tp group")
 
 
+def test_the_summary_does_not_depend_on_which_rank_gathered_the_records():
+    # TP2 x PP2, rank 3 asleep: rank 1 (pp) and rank 2 (tp) both wait for it; the first to report gathers the
+    # records, its own first
+    records = {0: _record("backward", op="send to rank 2", group="pp", count=29, inside=True, ranks=(0, 2)),
+               1: _record("backward", op="send to rank 3", group="pp", count=29, inside=True, ranks=(1, 3)),
+               2: _record("forward", op="all_reduce", group="tp", count=97, inside=True, ranks=(2, 3)),
+               3: _record("forward of micro-batch 1 of 4", op="receive from rank 1", group="pp", count=28,
+                          ranks=(1, 3))}
+    summaries = {hang_summary({first: records[first], **records}, 4, 5) for first in records}
+    assert len(summaries) == 1
+    assert summaries.pop().startswith("no progress for 5 s (--hang-timeout-seconds): rank 1 of the 2 in the pp "
+                                      "group is in send to rank 3 #29; rank 3 never entered it")
+
+
 def test_a_rank_that_never_reported_is_named():
     waiting = _record("gradient reduction", op="all_reduce", group="dp", count=3, inside=True, ranks=(0, 1))
     assert hang_summary({0: waiting}, 2, 5).endswith("rank 1 did not report (dead, or stopped holding the "

@@ -89,6 +89,7 @@ def hang_summary(records: dict[int, dict], world_size: int, timeout_s: float) ->
     """One line from the records of the ranks that reported (by global rank). Of the collectives ranks wait
     in, the one named first is a collective some rank of its group has not entered while not waiting in any
     other: that rank holds the others up (a rank waiting elsewhere is itself held up)."""
+    records = dict(sorted(records.items()))  # the same line whichever rank gathered them (ties go to the lowest)
     head = f"no progress for {timeout_s:g} s (--hang-timeout-seconds)"
     silent = sorted(set(range(world_size)) - set(records))
     tail = [f"{_ranks(silent)} did not report (dead, or stopped holding the interpreter)"] if silent else []
