@@ -33,6 +33,12 @@ class FaultToleranceConfig:
     def lighthouse_address(self) -> str | None:
         return self.ft_lighthouse or os.environ.get(LIGHTHOUSE_ENV)
 
+    def lighthouse_source(self) -> str:
+        """Where the lighthouse's address came from, with the address, as a message about it names it."""
+        if self.ft_lighthouse:
+            return f"--ft-lighthouse {self.ft_lighthouse}"
+        return f"${LIGHTHOUSE_ENV} ({self.lighthouse_address()})"
+
 
 def lighthouse_endpoint(address: str) -> tuple[str, int] | None:
     """(host, port) of a lighthouse URL, http(s)://HOST:PORT, or None for anything else (torchft's client reads

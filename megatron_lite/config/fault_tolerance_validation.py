@@ -30,9 +30,8 @@ def fault_tolerance_problems(config: Config) -> list[str]:
         problems.append(f"--fault-tolerance torchft needs the lighthouse's address: --ft-lighthouse "
                         f"http://HOST:PORT or ${LIGHTHOUSE_ENV}")
     elif lighthouse_endpoint(address) is None:
-        given = f"--ft-lighthouse {address}" if t.ft_lighthouse else f"${LIGHTHOUSE_ENV} ({address})"
-        problems.append(f"{given} must be the lighthouse's URL, http://HOST:PORT (torchft's lighthouse prints it "
-                        f"as it starts)")
+        problems.append(f"{t.lighthouse_source()} must be the lighthouse's URL, http://HOST:PORT (torchft's "
+                        f"lighthouse prints it as it starts)")
     if t.rampup_batch_size is not None:
         problems.append("--fault-tolerance does not support --rampup-batch-size: a healed group finds its data by "
                         "its step, so each step must take the same samples")

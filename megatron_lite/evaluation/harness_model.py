@@ -55,10 +55,11 @@ def check_model_args(load: str | None, extra: dict) -> None:
     hf model's `pretrained` would leave `load` unset), naming the closest it takes."""
     unknown = sorted(set(extra) - HARNESS_EXTRAS)
     if unknown:
-        close = difflib.get_close_matches(unknown[0], MODEL_ARGS, n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
         if unknown[0] == "pretrained":
             hint = "; the megatron_lite model reads a checkpoint directory: load=DIR"
+        else:
+            close = difflib.get_close_matches(unknown[0], MODEL_ARGS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
         raise ConfigError(f"--model_args: the megatron_lite model takes no '{unknown[0]}'{hint} (it takes "
                           f"{', '.join(MODEL_ARGS)})")
     if load is None:

@@ -71,11 +71,10 @@ def _relation_problem(hf: dict) -> str | None:
     return None
 
 
-def check_bounds(hf: dict, nested: tuple[str, ...]) -> None:
-    """A ConversionError naming the first key of config.json (or of its `nested` objects, the RoPE parameters)
-    whose value is out of its range, or two keys that disagree. The types are checked before."""
-    records = [("config.json", hf)] + [(f"config.json's {key}", hf[key]) for key in nested
-                                       if isinstance(hf.get(key), dict)]
+def check_bounds(hf: dict, records: list[tuple[str, dict]]) -> None:
+    """A ConversionError naming the first key of config.json whose value is out of its range, or two keys that
+    disagree. `records` pairs each object checked (config.json and its RoPE parameters) with the words that name
+    it; their types are checked before."""
     for where, record in records:
         problem = _bound_problem(record, where)
         if problem:

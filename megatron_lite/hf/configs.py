@@ -249,7 +249,7 @@ def _check_types(hf: dict) -> None:
                 value = record.get(key)
                 if value is not None and not is_a(value, kind):
                     raise ConversionError(f"{where}: '{key}' is {json.dumps(value)[:40]}, expected {name}")
-    check_bounds(hf, _OBJECT_KEYS)
+    check_bounds(hf, records)
 
 
 def model_values_from_hf(hf: dict) -> dict:

@@ -237,7 +237,7 @@ def mlite_to_megatron(load_dir: str, save_dir: str, iteration: int | None, layou
     except ConfigError as error:
         raise ConversionError(f"{path} cannot be written for Megatron-LM at TP{tp} x PP{pp}: {error}") from None
     iteration, consumed = checkpoint.saved["iteration"], checkpoint.saved["consumed_samples"]
-    vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, layout["tensor_model_parallel_size"])
+    vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     moe_layers = moe_layer_pattern(m) if m.num_experts else [False] * m.num_layers
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     temporary = final + ".tmp"

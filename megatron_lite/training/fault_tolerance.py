@@ -34,7 +34,7 @@ from datetime import timedelta
 
 import torch
 
-from megatron_lite.config.fault_tolerance import LIGHTHOUSE_ENV, lighthouse_endpoint
+from megatron_lite.config.fault_tolerance import lighthouse_endpoint
 from megatron_lite.config.sections import Config
 from megatron_lite.errors import UserError
 from megatron_lite.model.sharding import FlatShard
@@ -67,15 +67,14 @@ def _weights_only_transport(timeout: timedelta):
     return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
 
-def _check_lighthouse_listens(address: str, given: bool, seconds: float = 10.0) -> None:
+def _check_lighthouse_listens(address: str, source: str, seconds: float = 10.0) -> None:
     """One line when nothing answers at the lighthouse's address, before torchft's quorum would wait its timeout
     (minutes) and end with a collective's message."""
     host, port = lighthouse_endpoint(address)
     try:
         socket.create_connection((host, port), timeout=seconds).close()
     except OSError as error:
-        where = f"--ft-lighthouse {address}" if given else f"${LIGHTHOUSE_ENV} ({address})"
-        raise UserError(f"{where}: no lighthouse answers there ({error.strerror or error}); start it first "
+        raise UserError(f"{source}: no lighthouse answers there ({error.strerror or error}); start it first "
                         f"(scripts/launch_replica_groups.sh does) or correct the address") from None
 
 
@@ -91,7 +90,7 @@ class ReplicaGroup:
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             raise UserError("--fault-tolerance torchft runs under torchrun (MASTER_ADDR and MASTER_PORT name the "
                             "replica group's store); launch each group with torchrun")
-        _check_lighthouse_listens(t.lighthouse_address(), bool(t.ft_lighthouse))
+        _check_lighthouse_listens(t.lighthouse_address(), t.lighthouse_source())
         self.model, self.optimizer = model, optimizer
         timeout = timedelta(minutes=t.distributed_timeout_minutes)
         on_gpu = next(model[0].parameters()).device.type == "cuda"
