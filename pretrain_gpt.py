@@ -28,18 +28,11 @@ if TYPE_CHECKING:
 
 
 def model_provider(config: Config, pstate: ParallelState, plan: ChunkPlan, device: torch.device) -> GPTModel:
-    """One model chunk: the layers of `plan`, with the embedding / output layer where the plan says, and
-    MoE layers in place of the dense MLP where --num-experts and --moe-layer-freq say."""
-    from megatron_lite.model.gpt import GPTModel
-    from megatron_lite.model.moe.layer import moe_mlp_factory
-    from megatron_lite.training.loop import padded_vocab_for
+    """One model chunk: the layers of `plan`, with the embedding / output layer where the plan says
+    (megatron_lite/model/provider.py builds it as evaluation, generation and conversion do)."""
+    from megatron_lite.model.provider import build_model_chunk
 
-    return GPTModel(config.model, pstate, padded_vocab=padded_vocab_for(config), seed=config.training.seed,
-                    pre_process=plan.pre_process, post_process=plan.post_process,
-                    layer_offset=plan.layer_offset, num_layers=plan.num_layers,
-                    sequence_parallel=config.parallel.sequence_parallel, device=device,
-                    mlp_factory=moe_mlp_factory(config, pstate),
-                    cp_comm_type=config.parallel.cp_comm_type)
+    return build_model_chunk(config, pstate, plan, device)
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):

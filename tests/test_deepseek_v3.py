@@ -24,7 +24,7 @@ from megatron_lite.hf.configs import hf_config_from_model, model_values_from_hf
 from megatron_lite.hf.weights import hf_shapes
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.mlp import MLP
-from megatron_lite.model.moe.layer import MoELayer, moe_mlp_factory
+from megatron_lite.model.moe.layer import MoELayer
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.training.loop import build_model, initialize
 from tests.harness import run_on_ranks
@@ -108,8 +108,7 @@ def test_dense_first_layers_have_their_own_ffn_size():
     config = make_config({**MLA, "num_layers": 4, "num_experts": 4, "moe_ffn_hidden_size": 32,
                           "ffn_hidden_size": 80, "moe_layer_freq": "([0]*2+[1]*2)"})
     pstate = ParallelState.single()
-    model = GPTModel(config.model, pstate, padded_vocab=config.model.vocab_size, seed=1,
-                     mlp_factory=moe_mlp_factory(config, pstate))
+    model = GPTModel(config.model, pstate, padded_vocab=config.model.vocab_size, seed=1)
     kinds = [type(layer.mlp) for layer in model.decoder.layers]
     assert kinds == [MLP, MLP, MoELayer, MoELayer]
     assert model.decoder.layers[0].mlp.linear_fc2.weight.shape == (64, 80)
@@ -224,8 +223,7 @@ def test_a_published_mtp_module_converts_into_an_moe_mtp_layer_and_back_tensor_i
     flags = yaml.safe_load((tmp_path / "mlite" / "model.yaml").read_text())
     assert flags["mtp_num_layers"] == 1
     config = make_config({**flags, "mock_data": True})
-    model = GPTModel(config.model, ParallelState.single(), padded_vocab=HF_VOCAB, seed=1,
-                     mlp_factory=moe_mlp_factory(config, ParallelState.single()))
+    model = GPTModel(config.model, ParallelState.single(), padded_vocab=HF_VOCAB, seed=1)
     names = dict(model.named_global_parameters())
     assert isinstance(model.mtp.layers[0].transformer_layer.mlp, MoELayer)
     assert "mtp.layers.0.transformer_layer.mlp.experts.3.linear_fc1.weight" in names

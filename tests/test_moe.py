@@ -17,7 +17,6 @@ from megatron_lite.model.moe import experts as moe_experts
 from megatron_lite.model.moe.layer import (
     MoELayer,
     moe_metrics,
-    moe_mlp_factory,
     update_expert_biases,
 )
 from megatron_lite.model.moe.router import capacity_keep_mask, expert_capacity
@@ -363,12 +362,11 @@ def test_local_experts_carry_global_names_and_single_device_weights():
     """Local expert j of EP rank r is decoder.layers.<l>.mlp.experts.<r E/ep + j> with the weights that
     expert has on one device; every other MoE layer with --moe-layer-freq 2."""
     config = make_config({**BASE, "num_layers": 4, "moe_layer_freq": 2})
-    single = GPTModel(config.model, ParallelState.single(), padded_vocab=1024, seed=3,
-                      mlp_factory=moe_mlp_factory(config, ParallelState.single()))
+    single = GPTModel(config.model, ParallelState.single(), padded_vocab=1024, seed=3)
     reference = dict(single.named_global_parameters())
     assert {n for n in reference if ".mlp.router." in n} == {f"decoder.layers.{n}.mlp.router.weight" for n in (0, 2)}
     ep_rank_1 = ParallelState.without_groups(Layout(dp=2, ep=2), 1)  # building and naming need no collective
-    shard = GPTModel(config.model, ep_rank_1, padded_vocab=1024, seed=3, mlp_factory=moe_mlp_factory(config, ep_rank_1))
+    shard = GPTModel(config.model, ep_rank_1, padded_vocab=1024, seed=3)
     names = dict(shard.named_global_parameters())
     experts = sorted({n.split(".linear")[0] for n in names if ".experts." in n})
     assert experts == [f"decoder.layers.{layer}.mlp.experts.{e}" for layer in (0, 2) for e in (2, 3)]

@@ -23,16 +23,9 @@ from megatron_lite.errors import ConfigError
 from megatron_lite.hf.checkpoint import config_from_metadata, model_flags
 from megatron_lite.inference.generation import generate
 from megatron_lite.inference.sampling_params import SamplingParams
-from megatron_lite.model.gpt import GPTModel, gather_vocab_logits
-from megatron_lite.model.moe.layer import moe_mlp_factory
-from megatron_lite.training.loop import build_model, get_schedule, initialize, padded_vocab_for
-
-
-def _provider(config, pstate, plan, device) -> GPTModel:
-    """One model chunk of the plan (no sequence or context parallelism in evaluation)."""
-    return GPTModel(config.model, pstate, padded_vocab=padded_vocab_for(config), seed=config.training.seed,
-                    pre_process=plan.pre_process, post_process=plan.post_process, layer_offset=plan.layer_offset,
-                    num_layers=plan.num_layers, device=device, mlp_factory=moe_mlp_factory(config, pstate))
+from megatron_lite.model.gpt import gather_vocab_logits
+from megatron_lite.model.provider import build_model_chunk
+from megatron_lite.training.loop import build_model, get_schedule, initialize
 
 
 class ModelRunner:
@@ -61,7 +54,7 @@ class ModelRunner:
                   "train_iters": 1, "load": root, "ckpt_step": iteration, "finetune": True, "device": device}
         config = make_config(values, world)
         pstate, device = initialize(config)
-        model = build_model(config, pstate, _provider, device)
+        model = build_model(config, pstate, build_model_chunk, device)
         Checkpointer(config, pstate, device).load_checkpoint(model, None)
         for chunk in model:
             chunk.eval()

@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config.sections import ParallelConfig
-from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.hf.checkpoint import config_from_metadata, load_into_model, read_model_checkpoint
 from megatron_lite.inference.sampling_params import SamplingParams
 from megatron_lite.model.gpt import GPTModel, gather_vocab_logits
-from megatron_lite.model.moe.layer import moe_mlp_factory
+from megatron_lite.model.provider import build_model_chunk
 from megatron_lite.parallel.state import ParallelState
 
 
@@ -128,9 +127,6 @@ def load_model(path: str, pstate: ParallelState | None = None, device: torch.dev
     config = config_from_metadata(saved)
     config.parallel = ParallelConfig(tensor_model_parallel_size=pstate.tp_size,
                                      expert_tensor_parallel_size=pstate.etp_size)
-    m = config.model
-    model = GPTModel(m, pstate, padded_vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by,
-                                                               pstate.tp_size),
-                     seed=config.training.seed, device=device, mlp_factory=moe_mlp_factory(config, pstate))
+    model = build_model_chunk(config, pstate, device=device)
     load_into_model(model, tensors, pstate.tensor_split)
     return model.eval(), config

@@ -47,8 +47,7 @@ from megatron_lite.megatron_lm import names
 from megatron_lite.megatron_lm.arguments import flags_from_megatron, megatron_args
 from megatron_lite.megatron_lm.checkpoint import TRACKER_FILE, open_checkpoint, read_in_units, saved_args
 from megatron_lite.megatron_lm.optimizer_state import OptimizerState, optimizer_state
-from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.moe.layer import moe_mlp_factory
+from megatron_lite.model.provider import build_model_chunk
 from megatron_lite.model.sharding import initialization_skipped
 from megatron_lite.parallel.state import ParallelState
 
@@ -61,11 +60,8 @@ def expected_tensors(config: Config) -> dict[str, tuple[int, ...]]:
     """Our global name -> stored shape (vocabulary unpadded) of every tensor the model of `config` checkpoints,
     from the model built on the meta device (nothing allocated)."""
     pstate = ParallelState.single()
-    m = config.model
     with initialization_skipped():
-        model = GPTModel(m, pstate, padded_vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1),
-                         seed=config.training.seed, device=torch.device("meta"),
-                         mlp_factory=moe_mlp_factory(config, pstate))
+        model = build_model_chunk(config, pstate, device=torch.device("meta"))
     shapes = {}
     for name, tensor in [*model.named_global_parameters(), *model.named_global_buffers()]:
         shape = tuple(tensor.spec.global_shape)

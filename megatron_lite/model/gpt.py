@@ -74,7 +74,7 @@ class GPTModel(torch.nn.Module):
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, padded_vocab: int, seed: int,
                  pre_process: bool = True, post_process: bool = True, layer_offset: int = 0,
                  num_layers: int | None = None, sequence_parallel: bool = False,
-                 device: torch.device | None = None, mlp_factory=None, cp_comm_type: str = "p2p"):
+                 device: torch.device | None = None, cp_comm_type: str = "p2p"):
         super().__init__()
         device = torch.device(device or "cpu")
         self.config = config
@@ -94,12 +94,9 @@ class GPTModel(torch.nn.Module):
                 self.embedding = Embedding(config, pstate, padded_vocab, sequence_parallel=sequence_parallel,
                                            rng_tracker=tracker, tied_copy=not pre_process)
             self.rotary = rotary_embedding(config) if config.rotary_position_embeddings else None
-            layers = []
-            for number in range(layer_offset, layer_offset + num_layers):
-                mlp = mlp_factory(number) if mlp_factory is not None else None
-                layers.append(TransformerLayer(config, pstate, number, sequence_parallel=sequence_parallel,
-                                               attention_backend=backend, rng_tracker=tracker, mlp=mlp,
-                                               cp_comm_type=cp_comm_type))
+            layers = [TransformerLayer(config, pstate, number, sequence_parallel=sequence_parallel,
+                                       attention_backend=backend, rng_tracker=tracker, cp_comm_type=cp_comm_type)
+                      for number in range(layer_offset, layer_offset + num_layers)]
             self.decoder = TransformerBlock(layers, config, final_norm=post_process,
                                             sequence_parallel=sequence_parallel, rng_tracker=tracker)
             if post_process:  # with tied embeddings: reads the input table, or holds a copy of the first stage's
@@ -108,8 +105,7 @@ class GPTModel(torch.nn.Module):
                     valid_rows=config.vocab_size, skip_weight_param_allocation=self.share_embeddings and has_embedding,
                     tied_copy=self.share_embeddings and not has_embedding)
             self.mtp = (MultiTokenPrediction(config, pstate, sequence_parallel=sequence_parallel,
-                                             attention_backend=backend, rng_tracker=tracker, cp_comm_type=cp_comm_type,
-                                             mlp_factory=mlp_factory)
+                                             attention_backend=backend, rng_tracker=tracker, cp_comm_type=cp_comm_type)
                         if self.has_mtp else None)
         initialize_parameters(self.named_global_parameters(), seed, config.init_method_std, config.num_layers,
                               pstate.tensor_split)

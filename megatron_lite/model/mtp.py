@@ -29,7 +29,7 @@ micro-batch means, which is the same figure when no loss mask leaves micro-batch
 
 The modules run only when the model trains: evaluation reports the language-model loss alone, and
 generation (no labels) never reaches them. Each module's transformer layer is numbered after the decoder's and
-has the last decoder layer's kind of MLP (`mlp_factory`, as Megatron builds it from the last layer's spec: an
+has the last decoder layer's kind of MLP (as Megatron builds it from the last layer's spec: an
 MoE layer in DeepSeek-V3, whose router statistics and expert bias are kept under that number); it is not
 recomputed under --recompute-granularity full.
 """
@@ -74,7 +74,7 @@ class MultiTokenPredictionLayer(torch.nn.Module):
     """Prediction depth `depth` (1-based): (h^{k-1} [s(/tp), b, h], embedding of the shifted tokens) -> h^k."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, depth: int, *, sequence_parallel: bool,
-                 attention_backend: str, rng_tracker, cp_comm_type: str, mlp_factory=None):
+                 attention_backend: str, rng_tracker, cp_comm_type: str):
         super().__init__()
         self.tp_group = pstate.group("tp")
         self.sequence_parallel = sequence_parallel
@@ -87,7 +87,6 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         number = config.num_layers + depth - 1
         self.transformer_layer = TransformerLayer(config, pstate, number, sequence_parallel=sequence_parallel,
                                                   attention_backend=attention_backend, rng_tracker=rng_tracker,
-                                                  mlp=mlp_factory(number) if mlp_factory is not None else None,
                                                   cp_comm_type=cp_comm_type)
         self.final_layernorm = Norm(config, sequence_parallel)
 
@@ -104,7 +103,7 @@ class MultiTokenPrediction(torch.nn.Module):
     """The D prediction depths of the last pipeline stage, and their loss."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool, attention_backend: str,
-                 rng_tracker, cp_comm_type: str, mlp_factory=None):
+                 rng_tracker, cp_comm_type: str):
         super().__init__()
         self.pstate = pstate
         self.cp_group = pstate.group("cp")
@@ -113,7 +112,7 @@ class MultiTokenPrediction(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             MultiTokenPredictionLayer(config, pstate, depth, sequence_parallel=sequence_parallel,
                                       attention_backend=attention_backend, rng_tracker=rng_tracker,
-                                      cp_comm_type=cp_comm_type, mlp_factory=mlp_factory)
+                                      cp_comm_type=cp_comm_type)
             for depth in range(1, config.mtp_num_layers + 1))
         # Since the last mtp_loss_totals, float64 on the model's device: per depth, S_k and N_k (None until used).
         self.totals: torch.Tensor | None = None

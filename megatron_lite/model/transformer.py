@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.config.layer_pattern import attention_window, is_linear_attention_layer
+from megatron_lite.config.layer_pattern import attention_window, is_linear_attention_layer, is_moe_layer
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.mla import MultiLatentAttention
 from megatron_lite.model.attention.self_attention import SelfAttention
 from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.linear_attention.gated_delta_net import GatedDeltaNet
 from megatron_lite.model.mlp import MLP
+from megatron_lite.model.moe.layer import MoELayer
 from megatron_lite.model.normalization import apply_norm
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel.random import RNGTracker, checkpoint
@@ -62,7 +63,8 @@ class HiddenDropout(torch.nn.Module):
 
 class TransformerLayer(torch.nn.Module):
     """x + attention(norm(x)), then + mlp(norm(x)). `layer_number` is the global index (0-based). In a layer that
-    --linear-attention-freq makes a linear-attention layer, Gated DeltaNet takes softmax attention's place.
+    --linear-attention-freq makes a linear-attention layer, Gated DeltaNet takes softmax attention's place; in one
+    that --moe-layer-freq makes an MoE layer (with --num-experts), an MoE layer takes the dense MLP's.
 
     With --fp8-format the linears of attention and of a dense MLP compute in FP8 (model/fp8.py), unless
     --first-last-layers-bf16 keeps this layer out; an MoE layer's experts, shared experts and router do not.
@@ -83,7 +85,7 @@ class TransformerLayer(torch.nn.Module):
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, layer_number: int, *,
                  sequence_parallel: bool, attention_backend: str, rng_tracker: RNGTracker | None,
-                 mlp: torch.nn.Module | None = None, cp_comm_type: str = "p2p"):
+                 cp_comm_type: str = "p2p"):
         super().__init__()
         self.layer_number = layer_number
         fp8 = FP8Recipe.for_layer(config, layer_number)
@@ -100,7 +102,11 @@ class TransformerLayer(torch.nn.Module):
                                                 cp_comm_type=cp_comm_type, fp8=fp8,
                                                 window=attention_window(config, layer_number))
         self.pre_mlp_layernorm = Norm(config, sequence_parallel)
-        self.mlp = mlp if mlp is not None else MLP(config, pstate, sequence_parallel=sequence_parallel, fp8=fp8)
+        if is_moe_layer(config, layer_number):
+            self.mlp = MoELayer(config, pstate, layer_number, sequence_parallel=sequence_parallel,
+                                token_dispatcher=config.moe_token_dispatcher_type)
+        else:
+            self.mlp = MLP(config, pstate, sequence_parallel=sequence_parallel, fp8=fp8)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
         self.compiled_residual_blocks = (torch.compile(self.residual_blocks, options={"fallback_random": True})
                                          if config.torch_compile else None)

@@ -163,22 +163,6 @@ class MoELayer(torch.nn.Module):
         return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
 
 
-def moe_mlp_factory(config: Config, pstate: ParallelState):
-    """GPTModel's `mlp_factory`: an MoELayer for each MoE layer of --moe-layer-freq (and multi-token prediction
-    layers after an MoE last layer), None (the dense MLP) for the others; None altogether for a dense model."""
-    m = config.model
-    if not m.num_experts:
-        return None
-
-    def build(layer_number: int) -> MoELayer | None:
-        if not is_moe_layer(m, layer_number):
-            return None
-        return MoELayer(m, pstate, layer_number, sequence_parallel=config.parallel.sequence_parallel,
-                        token_dispatcher=m.moe_token_dispatcher_type)
-
-    return build
-
-
 def moe_layers(model_chunks) -> list[MoELayer]:
     return [module for chunk in model_chunks for module in chunk.modules() if isinstance(module, MoELayer)]
 
