@@ -48,6 +48,9 @@ class ContractWithoutSpecs(PlainLinear):
     def named_global_buffers(self):
         return []
 
+    def training_hooks(self):
+        return None
+
 
 def test_gpt_model_is_a_model_chunk():
     chunk = gpt_chunk()

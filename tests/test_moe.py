@@ -189,7 +189,8 @@ def test_moe_layer_and_its_losses_match_a_direct_computation(variant):
 
     with torch.no_grad():
         assert_close_relative(layer(x).reshape(-1, h), out, rel=1e-5)
-    metrics = moe_metrics([layer], ParallelState.single(), make_config({**BASE, "num_layers": 1, **variant}))
+    metrics = moe_metrics([layer], ParallelState.single(), make_config({**BASE, "num_layers": 1, **variant}).model,
+                          sequence_parallel=False)
     assert metrics["moe_aux_loss_layer_0"] == pytest.approx(aux.item(), rel=1e-5)
     assert metrics["moe_z_loss_layer_0"] == pytest.approx(z.item(), rel=1e-5)
     assert metrics["moe_dropped_tokens_layer_0"] == int((~keep).sum())
@@ -210,7 +211,7 @@ def test_expert_bias_moves_towards_balance_and_only_changes_selection():
     logits = x.reshape(-1, BASE["hidden_size"]) @ layer.router.weight.detach().t()
     _, indices = _route(layer.router, logits)  # the routing of this iteration: zero bias
     layer(x).sum().backward()
-    update_expert_biases([layer], ParallelState.single(), make_config({**BASE, "num_layers": 1, **values}))
+    update_expert_biases([layer], ParallelState.single(), make_config({**BASE, "num_layers": 1, **values}).model)
     load = torch.stack([(indices == e).sum() for e in range(layer.num_experts)]).float()
     assert torch.equal(layer.router.expert_bias, 0.01 * torch.sign(load.mean() - load))
     assert layer.load_since_bias_update is None

@@ -99,6 +99,15 @@ def test_every_module_imports_only_downwards():
     assert upward_imports(import_graph()) == []
 
 
+def test_the_training_loop_names_no_model_feature():
+    """MoE and multi-token prediction reach training/ through the model contract (model/contract.py
+    TrainingHooks), so a new model feature changes nothing there."""
+    features = ("megatron_lite.model.moe", "megatron_lite.model.mtp")
+    reaching = {name: sorted(target for target in targets if target.startswith(features))
+                for name, targets in import_graph().items() if name.startswith("megatron_lite.training")}
+    assert {name: targets for name, targets in reaching.items() if targets} == {}
+
+
 def test_no_import_cycle():
     assert import_cycle(import_graph()) is None
 

@@ -19,6 +19,30 @@ from megatron_lite.parallel.random import RNGTracker
 from megatron_lite.parallel.state import ParallelState
 
 
+class TrainingHooks(Protocol):
+    """What a model adds to each training step besides its language-model loss. Each method takes all of this
+    rank's chunks of the model; those that reduce over ranks are collectives every rank calls at the same step."""
+
+    def step_losses(self, model_chunks) -> dict[str, torch.Tensor]:
+        """The auxiliary losses of the step just run, by name: 0-dim tensors equal on every rank, which the rerun
+        machine checks as it checks the language-model loss (resets what they were summed from)."""
+
+    def step_metrics(self, losses: dict[str, float]) -> dict:
+        """The figures to log for the step from the values of `step_losses`."""
+
+    def after_step(self, model_chunks) -> None:
+        """Updates after the optimizer step that are not gradient steps (the MoE routers' expert biases)."""
+
+    def interval_metrics(self, model_chunks) -> dict:
+        """The figures to log once per log interval, over the interval (resets what they were summed from)."""
+
+    def statistics(self, model_chunks) -> object:
+        """A copy of what the model accumulates over steps, for `load_statistics` when an iteration runs again."""
+
+    def load_statistics(self, model_chunks, saved: object) -> None:
+        """Put back what `statistics` copied."""
+
+
 class ModelChunk(Protocol):
     """One pipeline stage's share of a model (one of several with virtual pipeline stages)."""
 
@@ -46,6 +70,9 @@ class ModelChunk(Protocol):
     def named_global_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(layout-independent name, buffer) for the state besides parameters that checkpoints carry (each
         with a ShardSpec; the MoE routers' expert biases): not trained by the optimizer, saved and loaded."""
+
+    def training_hooks(self) -> TrainingHooks:
+        """What the model adds to each training step (the same for every chunk of a model)."""
 
 
 _METHODS = [name for name, value in vars(ModelChunk).items() if callable(value) and not name.startswith("_")]

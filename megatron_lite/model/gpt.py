@@ -31,6 +31,7 @@ from megatron_lite.model.tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from megatron_lite.model.training_hooks import GPTTrainingHooks
 from megatron_lite.model.transformer import HiddenDropout, TransformerBlock, TransformerLayer
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.random import RNGTracker
@@ -154,6 +155,9 @@ class GPTModel(torch.nn.Module):
 
     def rng_trackers(self) -> list[RNGTracker]:
         return [self.rng_tracker]
+
+    def training_hooks(self) -> GPTTrainingHooks:
+        return GPTTrainingHooks(self.config, self.pstate, self.sequence_parallel)
 
     # ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor,

@@ -172,10 +172,3 @@ def mtp_loss_totals(model_chunks, config: ModelConfig, device) -> torch.Tensor:
                 totals += module.totals
                 module.totals = None
     return totals
-
-
-def mtp_metrics(per_depth: list[float]) -> dict:
-    """The logged figures from the reduced per-depth token means: `mtp_loss` and `mtp_<k>_loss`."""
-    metrics = {f"mtp_{k}_loss": loss for k, loss in enumerate(per_depth, start=1)}
-    metrics["mtp_loss"] = sum(per_depth) / len(per_depth)
-    return metrics

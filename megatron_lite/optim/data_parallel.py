@@ -248,6 +248,9 @@ class DistributedDataParallel(torch.nn.Module):
     def named_global_buffers(self):
         return self.module.named_global_buffers()
 
+    def training_hooks(self):
+        return self.module.training_hooks()
+
     @contextlib.contextmanager
     def no_sync(self):
         """Micro-batches before the last accumulate without starting any reduction (no_shard, optim)."""

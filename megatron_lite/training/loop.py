@@ -22,8 +22,6 @@ from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.samplers import PretrainingSampler
 from megatron_lite.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron_lite.errors import ConfigError
-from megatron_lite.model.moe.layer import moe_metrics, moe_step_losses, update_expert_biases
-from megatron_lite.model.mtp import mtp_loss_totals, mtp_metrics
 from megatron_lite.model.sharding import initialization_skipped
 from megatron_lite.optim.builder import build_optimizer
 from megatron_lite.optim.data_parallel import DistributedDataParallel
@@ -276,22 +274,13 @@ def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> torch.Ten
     return totals[0] / totals[1]
 
 
-def reduce_mtp_losses(model, config: Config, pstate: ParallelState, device) -> list[torch.Tensor]:
-    """Per multi-token prediction depth, the token mean of its cross-entropy over the global batch of the step
-    just run (model/mtp.py), shared by every rank as reduce_loss's; [] without --mtp-num-layers."""
-    if not config.model.mtp_num_layers:
-        return []
-    totals = mappings.all_reduce(mtp_loss_totals(model, config.model, device), pstate.group("dp_cp"))
-    mappings.broadcast(totals, pstate.pp_ranks[-1], pstate.group("pp"))
-    return list(totals[:, 0] / totals[:, 1])
-
-
 def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,
                pstate: ParallelState, iteration: int, device, timers: PhaseTimers | None = None,
                consumed_samples: int | None = None, rerun: RerunStateMachine | None = None,
                replica: ReplicaGroup | None = None) -> dict | None:
-    """Forward and backward over one global batch, then one optimizer step. `rerun` judges the losses (LM, MTP
-    depths, MoE auxiliary and z-losses) and gradient norm before the step is applied and may run the iteration
+    """Forward and backward over one global batch, then one optimizer step. `rerun` judges the losses (the language
+    model's and those the model adds, model/contract.py TrainingHooks: MTP depths, MoE auxiliary and z-losses) and
+    gradient norm before the step is applied and may run the iteration
     again (rerun_state_machine.py; without it, only --check-for-nan-in-loss-and-grad applies: a non-finite loss
     or gradient norm stops the run).
     Every rank judges the same reduced values, so every rank decides alike. `timers` collects the time of
@@ -305,6 +294,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
     if consumed_samples is None:
         consumed_samples = iteration * config.training.global_batch_size
     global_batch_size = config.global_batch_size_at(consumed_samples)
+    hooks = model[0].training_hooks()
     rerun.start_iteration(model, device, data_iterator, replayable=replica is not None)
     RECORD.set_step("the start of the step", iteration + 1)
     while True:
@@ -322,15 +312,13 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
             finalize_model_grads(model, pstate, tokens)
             if replica is not None:
                 replica.average_gradients()
-        mtp_losses = reduce_mtp_losses(model, config, pstate, device)
-        moe_losses = moe_step_losses(model, pstate, config)
+        auxiliary_losses = hooks.step_losses(model)
         RECORD.set_step("the optimizer step")
         with timers.phase("optimizer"):
             grad_norm = optimizer.prepare_grads()
-            lm_loss, grad_norm, *other_losses = torch.stack(  # one sync
-                [reduce_loss(reports, pstate, device), grad_norm, *mtp_losses, *moe_losses.values()]).tolist()
-        mtp_losses = other_losses[:len(mtp_losses)]
-        judged = dict(zip([f"mtp {k} loss" for k in range(1, len(mtp_losses) + 1)] + list(moe_losses), other_losses))
+            lm_loss, grad_norm, *auxiliary_values = torch.stack(  # one sync
+                [reduce_loss(reports, pstate, device), grad_norm, *auxiliary_losses.values()]).tolist()
+        judged = dict(zip(auxiliary_losses, auxiliary_values))
         if not rerun.should_rerun(Result(lm_loss, grad_norm, fingerprint, judged), iteration, model, device,
                                   data_iterator):
             break
@@ -340,10 +328,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, co
     with timers.phase("optimizer"):
         lr = learning_rate(config, consumed_samples)
         update_successful = optimizer.apply(lr, grad_norm, weight_decay(config, consumed_samples))
-        update_expert_biases(model, pstate, config)
+        hooks.after_step(model)
     # logged as Megatron logs it: the scheduler's rate after the step, the one the next iteration uses
     next_lr = learning_rate(config, consumed_samples + global_batch_size)
-    return {"lm_loss": lm_loss, **(mtp_metrics(mtp_losses) if mtp_losses else {}), "grad_norm": grad_norm,
+    return {"lm_loss": lm_loss, **hooks.step_metrics(judged), "grad_norm": grad_norm,
             "lr": next_lr, "global_batch_size": global_batch_size, "loss_scale": optimizer.loss_scale,
             "skipped_iter": int(not update_successful),
             **({"ft_participants": replica.participants} if replica is not None else {})}
@@ -477,7 +465,7 @@ def _run(config: Config, pstate: ParallelState, device, model_provider, forward_
                 if streamed is not None:
                     metrics["loader_tokens_per_sec"] = streamed.loader_tokens_per_sec()
                 if completed % config.logging.log_interval == 0:
-                    metrics.update(moe_metrics(model, pstate, config))  # load balance over the log interval
+                    metrics.update(model[0].training_hooks().interval_metrics(model))  # e.g. MoE load balance
                     metrics.update(rerun.read_stats())
                     memory_history.dump(completed)
                 history.append(logger.log_iteration(iteration + 1, metrics, timers))

@@ -38,7 +38,6 @@ from megatron_lite.checkpoint.agreement import all_gather
 from megatron_lite.checkpoint.rng_state import rng_states, set_rng_states
 from megatron_lite.config.sections import Config
 from megatron_lite.errors import TrainingDivergedError, UserError
-from megatron_lite.model.moe.layer import load_moe_statistics, moe_statistics
 
 SPIKE_FACTOR = 10.0  # Megatron's SPIKY_LOSS_FACTOR and the large-gradient threshold
 STATISTICS_SAMPLES = 100  # values seen before a result can be judged unexpectedly large
@@ -142,7 +141,7 @@ class RerunStateMachine:
         if isinstance(data_iterator, ReplayableIterator):
             data_iterator.mark()
         self.saved = ({name: state.clone() for name, state in rng_states(model, device).items()},
-                      moe_statistics(model))
+                      model[0].training_hooks().statistics(model))
 
     def replay(self, model: list, device: torch.device, data_iterator) -> None:
         """Make the next run of the iteration start where this one started: its data, generators and MoE
@@ -152,7 +151,7 @@ class RerunStateMachine:
     def _rewind(self, model: list, device: torch.device, data_iterator) -> None:
         states, statistics = self.saved
         set_rng_states(model, device, states)
-        load_moe_statistics(model, statistics)
+        model[0].training_hooks().load_statistics(model, statistics)
         if isinstance(data_iterator, ReplayableIterator):
             data_iterator.rewind()
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config.layer_pattern import is_moe_layer
-from megatron_lite.config.sections import Config, ModelConfig
+from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.loss_scaling import auxiliary_loss_weight
 from megatron_lite.model.moe.experts import GroupedExperts, SharedExpertMLP
 from megatron_lite.model.moe.router import MoEAuxLossAutoScaler, RouterLosses, TopKRouter, capacity_keep_mask
@@ -168,11 +168,10 @@ def moe_layers(model_chunks) -> list[MoELayer]:
 
 
 @torch.no_grad()
-def update_expert_biases(model_chunks, pstate: ParallelState, config: Config) -> None:
+def update_expert_biases(model_chunks, pstate: ParallelState, m: ModelConfig) -> None:
     """After an iteration, with --moe-router-enable-expert-bias: each MoE layer's bias b_i += rate *
     sign(mean load - load_i), from the tokens per expert of the iteration summed over all ranks. A
     collective over the world: every rank calls it after every iteration."""
-    m = config.model
     if not (m.num_experts and m.moe_router_enable_expert_bias):
         return
     layers = moe_layers(model_chunks)
@@ -218,11 +217,10 @@ def moe_layer_numbers(config: ModelConfig) -> list[int]:
 
 
 @torch.no_grad()
-def moe_metrics(model_chunks, pstate: ParallelState, config: Config) -> dict:
+def moe_metrics(model_chunks, pstate: ParallelState, m: ModelConfig, sequence_parallel: bool) -> dict:
     """Per MoE layer, since the last call: mean aux loss and z-loss per micro-batch (coefficients
     applied), tokens per expert and dropped token copies, summed over all ranks; resets the layers'
     statistics. A collective over the world: every rank calls it at the same iterations."""
-    m = config.model
     numbers = moe_layer_numbers(m)
     if not numbers:
         return {}
@@ -235,8 +233,8 @@ def moe_metrics(model_chunks, pstate: ParallelState, config: Config) -> dict:
             table[layer.layer_number] = layer.statistics
         layer.statistics = None
     mappings.all_reduce(table, pstate.group("world"))
-    router_copies = _router_copies(pstate, config)
-    losses = _losses_per_microbatch(table[numbers], pstate, config).tolist()
+    router_copies = _router_copies(pstate, sequence_parallel)
+    losses = _losses_per_microbatch(table[numbers], pstate, sequence_parallel).tolist()
     metrics = {}
     for number, (aux_loss, z_loss) in zip(numbers, losses):
         row = table[number]
@@ -250,25 +248,25 @@ def moe_metrics(model_chunks, pstate: ParallelState, config: Config) -> dict:
     return metrics
 
 
-def _router_copies(pstate: ParallelState, config: Config) -> int:
+def _router_copies(pstate: ParallelState, sequence_parallel: bool) -> int:
     """Ranks whose router sees the same tokens: the router's shares and counts, and the capacity decisions, are
     whole on every TP rank without sequence parallelism."""
-    return 1 if config.parallel.sequence_parallel else pstate.tp_size
+    return 1 if sequence_parallel else pstate.tp_size
 
 
-def _losses_per_microbatch(rows: torch.Tensor, pstate: ParallelState, config: Config) -> torch.Tensor:
+def _losses_per_microbatch(rows: torch.Tensor, pstate: ParallelState, sequence_parallel: bool) -> torch.Tensor:
     """[layers, 2]: each layer's aux loss and z-loss (coefficients applied) per micro-batch, from its rows of
     statistics summed over the world [layers, >= 3]; every micro-batch is seen by its tp x cp ranks."""
     microbatches = (rows[:, _MICROBATCHES] / (pstate.tp_size * pstate.cp_size)).clamp(min=1.0)
-    return rows[:, _AUX_LOSS:_DROPPED] / _router_copies(pstate, config) / microbatches[:, None]
+    return rows[:, _AUX_LOSS:_DROPPED] / _router_copies(pstate, sequence_parallel) / microbatches[:, None]
 
 
 @torch.no_grad()
-def moe_step_losses(model_chunks, pstate: ParallelState, config: Config) -> dict[str, torch.Tensor]:
+def moe_step_losses(model_chunks, pstate: ParallelState, m: ModelConfig,
+                    sequence_parallel: bool) -> dict[str, torch.Tensor]:
     """The auxiliary losses of the step just run that entered its backward, as moe_metrics reports them
     (averaged over the MoE layers): 0-dim tensors, equal on every rank, for the NaN and spike checks; resets.
     A collective over the world where such a loss exists (every rank calls it every step); {} otherwise."""
-    m = config.model
     numbers = moe_layer_numbers(m)
     judged = [name for name, enters in (("moe aux loss", m.moe_aux_loss_coeff > 0 and
                                          m.moe_router_load_balancing_type != "none"),
@@ -282,5 +280,5 @@ def moe_step_losses(model_chunks, pstate: ParallelState, config: Config) -> dict
             table[layer.layer_number] = layer.step_losses
         layer.step_losses = None
     mappings.all_reduce(table, pstate.group("world"))
-    aux_loss, z_loss = _losses_per_microbatch(table[numbers], pstate, config).mean(dim=0)
+    aux_loss, z_loss = _losses_per_microbatch(table[numbers], pstate, sequence_parallel).mean(dim=0)
     return {name: loss for name, loss in (("moe aux loss", aux_loss), ("moe z loss", z_loss)) if name in judged}
