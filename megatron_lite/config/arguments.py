@@ -18,6 +18,7 @@ import textwrap
 import yaml
 
 from megatron_lite.config.flag_dependencies import given_flags
+from megatron_lite.config.hybrid_layer_pattern import apply_hybrid_layer_pattern
 from megatron_lite.config.presets import MODEL_PRESETS
 from megatron_lite.config.sections import Config
 from megatron_lite.config.validation import validate
@@ -171,6 +172,9 @@ def make_config(values: dict, world_size: int = 1) -> Config:
         if name not in owner:
             raise ConfigError(f"unknown configuration key '{name}'; see pretrain_gpt.py --help")
         setattr(getattr(config, owner[name]), name, value)
+    problems = apply_hybrid_layer_pattern(config, given_flags(values))
+    if problems:
+        raise ConfigError("; ".join(problems))
     _fill_defaults(config, world_size)
     validate(config, world_size, given_flags(merged))
     _fill_train_iters(config)

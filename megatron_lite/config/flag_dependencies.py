@@ -212,8 +212,9 @@ RULES: dict[str, tuple[Needs | AnyOf | Excludes, ...]] = {
 
 # Flags that mean the same whatever else is given.
 STANDS_ALONE = frozenset({
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention", "seq_length",
-    "max_position_embeddings", "normalization", "norm_epsilon", "swiglu", "position_embedding_type", "kv_channels",
+    "num_layers", "hybrid_layer_pattern", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "group_query_attention", "seq_length", "max_position_embeddings", "normalization", "norm_epsilon", "swiglu",
+    "position_embedding_type", "kv_channels",
     "qk_layernorm", "multi_latent_attention", "untie_embeddings_and_output_weights", "disable_bias_linear",
     "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by", "model_preset",
     "num_experts", "fp8_format", "mtp_num_layers", "experimental_attention_variant", "attention_output_gate",

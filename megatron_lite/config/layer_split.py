@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_lite.config.hybrid_layer_pattern import pattern_chunk_layers
+
 if TYPE_CHECKING:
     from megatron_lite.config.sections import Config
 
@@ -15,6 +17,9 @@ if TYPE_CHECKING:
 def pipeline_stage_layers(config: Config) -> list[int]:
     """Number of layers on each pipeline stage (before virtual-stage interleaving)."""
     m, p = config.model, config.parallel
+    from_pattern = pattern_chunk_layers(config)
+    if from_pattern is not None:
+        return [sum(stages) for stages in zip(*from_pattern)]
     pp = p.pipeline_model_parallel_size
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     middle_stages = pp - (first is not None) - (last is not None)
@@ -41,12 +46,16 @@ class ChunkPlan:
 def model_chunk_plans(config: Config, pp_rank: int) -> list[ChunkPlan]:
     """The layers of each of this stage's model chunks (several with the interleaved schedule).
 
-    With v chunks per stage, each stage's layers are split evenly among its chunks (Megatron's rule, uneven
-    first and last stages included): with L[p] = layers of stage p / v, chunk c of stage p holds L[p] layers
-    starting at c * sum(L) + sum(L[:p]), so micro-batches flow 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ... .
+    Chunk c of stage p holds the layers after those of every chunk before it in the order micro-batches flow,
+    0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ... . --hybrid-layer-pattern's | segments give each chunk's
+    layers; otherwise, with v chunks per stage, each stage's layers are split evenly among its chunks (Megatron's
+    rule, uneven first and last stages included).
     """
     pp = config.parallel.pipeline_model_parallel_size
-    chunks = config.virtual_pipeline_stages or 1
-    per_chunk = [count // chunks for count in pipeline_stage_layers(config)]
-    return [ChunkPlan(c * sum(per_chunk) + sum(per_chunk[:pp_rank]), per_chunk[pp_rank],
-                      c == 0 and pp_rank == 0, c == chunks - 1 and pp_rank == pp - 1) for c in range(chunks)]
+    counts = pattern_chunk_layers(config)
+    if counts is None:
+        chunks = config.virtual_pipeline_stages or 1
+        counts = [[stage // chunks for stage in pipeline_stage_layers(config)]] * chunks
+    flat = [count for chunk in counts for count in chunk]
+    return [ChunkPlan(sum(flat[:c * pp + pp_rank]), counts[c][pp_rank], c == 0 and pp_rank == 0,
+                      c == len(counts) - 1 and pp_rank == pp - 1) for c in range(len(counts))]

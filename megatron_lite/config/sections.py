@@ -18,6 +18,8 @@ from megatron_lite.data.samplers import rampup_global_batch_size
 class ModelConfig(AttentionVariantsConfig):
     num_layers: int = 2
     """transformer layers of the decoder"""
+    hybrid_layer_pattern: str | None = None
+    """the stack in Megatron's symbols, e.g. G-G-|G-*-/*- (config/hybrid_layer_pattern.py); sets --num-layers"""
     hidden_size: int = 128
     """width of the residual stream"""
     ffn_hidden_size: int | None = None

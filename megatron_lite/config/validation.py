@@ -15,6 +15,7 @@ from megatron_lite.config.attention_variants_validation import attention_variant
 from megatron_lite.config.fault_tolerance_validation import fault_tolerance_problems
 from megatron_lite.config.flag_dependencies import dependency_problems
 from megatron_lite.config.fp8_validation import fp8_problems
+from megatron_lite.config.hybrid_layer_pattern import pattern_chunk_layers
 from megatron_lite.config.layer_pattern import moe_layer_pattern
 from megatron_lite.config.layer_split import pipeline_stage_layers
 from megatron_lite.config.mla_validation import mla_problems
@@ -173,11 +174,29 @@ def _layout_problems(config: Config, world_size: int) -> list[str]:
 
 
 def _pipeline_split_problems(config: Config) -> list[str]:
+    p = config.parallel
+    pp = p.pipeline_model_parallel_size
+    if pp == 1:
+        return []
+    staged = pattern_chunk_layers(config) is not None
+    problems = [] if staged else _even_split_problems(config)
+    if problems:
+        return problems
+    if config.virtual_pipeline_stages is not None and p.pipeline_schedule != "1f1b":
+        virtual = ("the | segments of --hybrid-layer-pattern beyond one per stage" if staged else
+                   "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
+        return [f"--pipeline-schedule {p.pipeline_schedule} has no interleaved form; drop {virtual} or use 1f1b"]
+    if config.virtual_pipeline_stages is not None and config.num_microbatches % pp:
+        return [f"number of micro-batches ({config.num_microbatches}) must be divisible by "
+                f"pipeline-model-parallel-size ({pp}) for the interleaved schedule"]
+    return []
+
+
+def _even_split_problems(config: Config) -> list[str]:
+    """Without --hybrid-layer-pattern's | stages: whether --num-layers splits over the (virtual) stages."""
     m, p = config.model, config.parallel
     pp = p.pipeline_model_parallel_size
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    if pp == 1:
-        return []
     middle_stages = pp - (first is not None) - (last is not None)
     remaining = m.num_layers - (first or 0) - (last or 0)
     if middle_stages < 0 or remaining < 0 or (middle_stages == 0 and remaining != 0):
@@ -201,12 +220,6 @@ def _pipeline_split_problems(config: Config) -> list[str]:
             stage, n = uneven[0]
             return [f"layers of pipeline stage {stage} ({n}) must be divisible by "
                     f"num-virtual-stages-per-pipeline-rank ({vp_stages})"]
-    if config.virtual_pipeline_stages is not None and p.pipeline_schedule != "1f1b":
-        return [f"--pipeline-schedule {p.pipeline_schedule} has no interleaved form; drop "
-                f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank or use 1f1b"]
-    if config.virtual_pipeline_stages is not None and config.num_microbatches % pp:
-        return [f"number of micro-batches ({config.num_microbatches}) must be divisible by "
-                f"pipeline-model-parallel-size ({pp}) for the interleaved schedule"]
     return []
 
 

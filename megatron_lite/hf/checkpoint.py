@@ -30,6 +30,7 @@ from megatron_lite.checkpoint.checkpointing import FORMAT
 from megatron_lite.checkpoint.planner import SafeFileSystemReader, ShardedLoadPlanner, state_dict_of
 from megatron_lite.checkpoint.sharded import ShardedTensor
 from megatron_lite.config.flag_dependencies import acting_flags
+from megatron_lite.config.hybrid_layer_pattern import pattern_without_stages
 from megatron_lite.config.sections import Config, ModelConfig
 from megatron_lite.hf.checkpoint_parts import PartsWriter
 from megatron_lite.hf.configs import ConversionError
@@ -162,4 +163,6 @@ def model_flags(m: ModelConfig) -> dict:
     names = [f.name for f in dataclasses.fields(m) if f.name not in _RUN_CHOICES]
     flags = {name: getattr(m, name) for name in acting_flags(Config(model=m), names)}
     switched_off = [f.name for f in dataclasses.fields(m) if f.default is True and getattr(m, f.name) is False]
+    if m.hybrid_layer_pattern is not None:  # the network, without the stages of the run that saved it
+        flags["hybrid_layer_pattern"] = pattern_without_stages(m.hybrid_layer_pattern)
     return {**flags, **dict.fromkeys(switched_off, False)}  # --no-<flag>, which acting_flags counts as not given
