@@ -183,8 +183,9 @@ def test_a_hybrid_model_trains_in_bf16_as_in_fp32_to_bf16_rounding():
         assert loss == pytest.approx(ref_loss, rel=1e-2) and norm == pytest.approx(ref_norm, rel=5e-2)
 
 
+@pytest.mark.parametrize("recompute", [None, "selective"])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_the_planned_gated_delta_net_bytes_per_token_are_what_autograd_saves(bf16):
+def test_the_planned_gated_delta_net_bytes_per_token_are_what_autograd_saves(bf16, recompute):
     """Two sequence lengths cancel what does not grow with it; the layer's input (the norm's output, counted with
     the layer) and the parameters are left out."""
     import torch
@@ -193,7 +194,7 @@ def test_the_planned_gated_delta_net_bytes_per_token_are_what_autograd_saves(bf1
     from megatron_lite.parallel.state import ParallelState
     from megatron_lite.planning.activation_memory import gated_delta_net_bytes
 
-    config = make_config({**HYBRID, "bf16": bf16, "linear_value_head_dim": 6})
+    config = make_config({**HYBRID, "bf16": bf16, "linear_value_head_dim": 6, "recompute_granularity": recompute})
     dtype = torch.bfloat16 if bf16 else torch.float32
     layer = GatedDeltaNet(config.model, ParallelState.single(), sequence_parallel=False)
     for param in layer.parameters():

@@ -293,6 +293,22 @@ def test_damaged_or_unfamiliar_megatron_checkpoints_are_one_line(saved, tmp_path
                                                             str(tmp_path), "--save-dir", str(tmp_path / "out5"))
 
 
+def test_a_cut_short_or_missing_data_file_is_one_line_before_any_tensor_is_read(saved, tmp_path):
+    copy = _copy(saved, tmp_path)
+    largest = max((copy / ITERATION_DIR).glob("*.distcp"), key=lambda path: path.stat().st_size)
+    size = largest.stat().st_size
+    with open(largest, "r+b") as f:
+        f.truncate(size // 2)
+    message = one_line_error("--direction", "megatron-to-mlite", "--load-dir", str(copy), "--save-dir",
+                             str(tmp_path / "out1"))
+    assert f"{largest.name} holds {size // 2} bytes where .metadata indexes" in message and "cut short" in message
+    largest.unlink()
+    message = one_line_error("--direction", "megatron-to-mlite", "--load-dir", str(copy), "--save-dir",
+                             str(tmp_path / "out2"))
+    assert f"{largest.name} is missing" in message
+    assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()
+
+
 def test_load_of_a_megatron_checkpoint_names_the_conversion(saved):
     for path in (saved / "dense_dist", saved / "dense_torch" / ITERATION_DIR):
         problem = load_problem(str(path))

@@ -103,7 +103,9 @@ class TorchDistCheckpoint:
         self.saved = load_megatron_pickle(os.path.join(path, "common.pt"))
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise CheckpointError(f"{path} has no .metadata: the torch_dist checkpoint is incomplete")
-        index = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = SafeFileSystemReader(path).read_metadata()
+        _check_data_files(path, metadata.storage_data)
+        index = metadata.state_dict_metadata
         self.shapes = {key: tuple(entry.size) for key, entry in index.items()
                        if isinstance(entry, TensorStorageMetadata) and not is_extra_state(key)}
         self.dtypes = {key: index[key].properties.dtype for key in self.shapes}
@@ -125,6 +127,22 @@ class TorchDistCheckpoint:
                      storage_reader=SafeFileSystemReader(self.path), no_dist=True)
         return {name: piece.data.reshape(piece.data.shape[len(sources[name].index):])
                 for name, piece in pieces.items()}
+
+
+def _check_data_files(path: str, storage: dict) -> None:
+    """One line for a data file the index names that is missing or shorter than the bytes it indexes in it (a copy
+    or save cut short), before any tensor is read."""
+    needed = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file} is missing: .metadata indexes tensors in it; the torch_dist checkpoint "
+                                  f"is incomplete")
+        if os.path.getsize(file) < size:
+            raise CheckpointError(f"{file} holds {os.path.getsize(file)} bytes where .metadata indexes {size}: the "
+                                  f"file was cut short (an interrupted save or copy); copy it again")
 
 
 def open_checkpoint(path: str) -> tuple[TorchDistCheckpoint | legacy_torch.TorchCheckpoint, int | None]:

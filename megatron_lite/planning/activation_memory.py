@@ -154,11 +154,14 @@ def expert_region_tokens(config: Config) -> int:
 
 def gated_delta_net_bytes(config: Config) -> int:
     """Bytes per token a Gated DeltaNet layer saves beyond its input projection's input (module docstring), with
-    its tensor-parallel rank's heads (context parallelism trades tokens for heads: the product is the same)."""
+    its tensor-parallel rank's heads (context parallelism trades tokens for heads: the product is the same);
+    recomputed (selective), its core keeps only its input and output."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     e = param_bytes(config)
     key_heads, value_heads = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
     dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    if m.recompute_granularity == "selective":  # the core's input (the projections' output) and its gated output
+        return e * (2 * key_heads * dk + 2 * value_heads * dv + 2 * value_heads) + e * value_heads * dv
     channels = key_heads * 2 * dk + value_heads * dv
     convolution = 5 * e * channels  # its input and the kernel - 1 shifted copies, and its output (SiLU's input)
     query_keys = FP32 * channels if e == FP32 else 2 * FP32 * key_heads * dk  # what the L2 norms read

@@ -22,7 +22,9 @@ convolution's and the decay's parameters, and a second all-to-all returns its to
 output projection. Megatron-Core runs Gated DeltaNet under CP the same way.
 
 In training the rule keeps only its inputs for backward and computes its chunks again there (as fused
-kernels do): its [C, C] intermediates per chunk and head would otherwise outweigh the rest of the layer.
+kernels do): its [C, C] intermediates per chunk and head would otherwise outweigh the rest of the layer. With
+--recompute-granularity selective the whole core, from the projections' output to the gated output (convolution,
+norms, decays, rule), is recomputed in backward from its input, as softmax attention's core is.
 
 In generation the layer is given its recurrent state (inference/generation.py's LayerRecurrentState): the tokens
 continue the state and the convolution's inputs left by the tokens before, and leave theirs.
@@ -105,6 +107,7 @@ class GatedDeltaNet(torch.nn.Module):
         self.norm_weight = new_parameter(ShardSpec((self.value_dim,), init="ones", sequence_parallel=tp > 1), 1)
         self.out_proj = RowParallelLinear(heads * self.value_dim, config.hidden_size, pstate, bias=False,
                                           sequence_parallel=sequence_parallel)
+        self.recompute_core = config.recompute_granularity == "selective"
 
     def forward(self, x: torch.Tensor, positions=None, recurrent_state=None) -> torch.Tensor:
         ids = positions.documents.ids.to(x.device) if positions is not None and positions.documents else None
@@ -112,6 +115,17 @@ class GatedDeltaNet(torch.nn.Module):
         mixed = mixed.view(*mixed.shape[:2], -1, sum(self.split_sizes))
         if self.cp_size > 1:  # [s/cp, b, heads/tp, ..] -> [s, b, heads/tp/cp, ..], the whole sequence
             mixed = sequence_to_heads(mixed.transpose(0, 1), self.cp_group, self.cp_size).transpose(0, 1)
+        if self.recompute_core and recurrent_state is None and torch.is_grad_enabled():
+            gated = checkpoint(self._core, mixed, ids, None, use_reentrant=False)
+        else:
+            gated = self._core(mixed, ids, recurrent_state)
+        if self.cp_size > 1:  # back to this rank's tokens, with all its heads
+            gated = heads_to_sequence(gated.transpose(0, 1), self.cp_group, self.cp_size).transpose(0, 1)
+        return self.out_proj(gated.reshape(*gated.shape[:2], -1))
+
+    def _core(self, mixed: torch.Tensor, ids: torch.Tensor | None, recurrent_state) -> torch.Tensor:
+        """The projections' output [s, b, key heads, ..] -> the gated, normalised output of the delta rule [s, b,
+        value heads, dv]: what --recompute-granularity selective recomputes in backward, keeping only its input."""
         s, b = mixed.shape[:2]
         q, k, v, z, write, decay = mixed.split(self.split_sizes, dim=-1)
         qkv = torch.cat([q, k, v], dim=-1).reshape(s, b, -1)
@@ -133,16 +147,14 @@ class GatedDeltaNet(torch.nn.Module):
         if recurrent_state is not None:
             out, recurrent_state.state = chunk_gated_delta_rule(*rule_inputs, scale=self.key_dim ** -0.5,
                                                                 initial_state=recurrent_state.state, chunk_size=chunk)
-        elif torch.is_grad_enabled():  # the chunks' [C, C] intermediates are remade in backward, not kept
+        elif torch.is_grad_enabled() and not self.recompute_core:  # the chunks' [C, C] intermediates are remade
+            # in backward, not kept (with the whole core recomputed, they live only during this layer's backward)
             out = checkpoint(_rule_output, *rule_inputs, self.key_dim ** -0.5, resets, chunk, use_reentrant=False)
         else:
             out = _rule_output(*rule_inputs, self.key_dim ** -0.5, resets, chunk)
         out = out.transpose(0, 1)  # [s, b, value heads, dv]
         normed = F.rms_norm(out.float(), (self.value_dim,), self.norm_weight.float(), self.eps)
-        gated = (normed * F.silu(z.reshape(s, b, self.value_heads, self.value_dim).float())).to(x.dtype)
-        if self.cp_size > 1:  # back to this rank's tokens, with all its heads
-            gated = heads_to_sequence(gated.transpose(0, 1), self.cp_group, self.cp_size).transpose(0, 1)
-        return self.out_proj(gated.reshape(*gated.shape[:2], -1))
+        return (normed * F.silu(z.reshape(s, b, self.value_heads, self.value_dim).float())).to(mixed.dtype)
 
     def _local_head_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's weight, A_log and dt_bias of the key heads this rank computes: all of its tensor-parallel
