@@ -33,6 +33,19 @@ def lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:
     return process, f"http://localhost:{port}"
 
 
+@contextlib.contextmanager
+def agent_stores(count: int):
+    """`count` TCPStores served from this process, as torchrun's agent serves one to its workers; yields for each
+    the variables that point a group's ranks at it (forked ranks of one group then find their store, and torchft
+    its own, as under torchrun, also in a group of one rank)."""
+    import torch.distributed as dist
+
+    ports = [free_port() for _ in range(count)]
+    stores = [dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False) for port in ports]
+    yield [{"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"} for port in ports]
+    del stores
+
+
 def torchrun(nproc: int, flags: list[str], log: Path, pace: float = 0.0) -> subprocess.Popen:
     """pretrain_gpt.py of the tiny model under torchrun (`kill_tree` kills it with its workers); with `pace`,
     each forward first sleeps that many seconds (tests/sleepy_pretrain.py)."""

@@ -1,18 +1,24 @@
-"""Fault-tolerant data parallelism with torchft (--fault-tolerance torchft): replica groups, each its own torchrun,
-with torchft's lighthouse. Without a failure two groups train as one run of twice the batch; when one group is
+"""Fault-tolerant data parallelism with torchft (--fault-tolerance torchft): replica groups, each a world of its
+own (ranks forked with torchrun's variables; torchrun itself where a group is killed and restarted), with torchft's
+lighthouse. Without a failure two groups train as one run of twice the batch; when one group is
 killed with SIGKILL mid-run the other finishes its steps without a restart, the killed group restarts, takes the
 live state from its peer and rejoins, and the two end bitwise equal; which steps each group trained is in their
 logs, and agrees between them."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.harness import run_entry_on_ranks
 from tests.launching import kill_tree
 from tests.replica_groups import (
+    TINY,
+    agent_stores,
+    environment,
     finish,
     group_flags,
     killed_at_exit,
@@ -44,16 +50,16 @@ def test_two_replica_groups_train_as_one_run_of_twice_the_batch(layout, tmp_path
     nproc, flags = LAYOUTS[layout]
     data_ranks = nproc // (2 if layout == "tp2" else 1)
     beacon, address = lighthouse(min_replicas=2)
-    logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "plain.log"]
-    with killed_at_exit(beacon) as launched:
-        launched += [torchrun(nproc, [*flags, *group_flags(g, address, tmp_path, 8, batch=2 * data_ranks)],
-                              logs[g]) for g in (0, 1)]
-        finish(launched[1:], logs[:2])
-        launched.append(torchrun(2 * nproc, [*flags, "--global-batch-size", str(4 * data_ranks), "--train-iters",
-                                             "8", "--log-interval", "1", "--metrics-jsonl",
-                                             str(tmp_path / "plain.jsonl"), "--save", str(tmp_path / "plain")],
-                                 logs[2]))
-        finish(launched[3:], logs[2:])
+    with killed_at_exit(beacon), agent_stores(2) as stores, ThreadPoolExecutor(2) as pool:  # two worlds at once
+        groups = [pool.submit(run_entry_on_ranks, nproc,
+                              [*TINY, *flags, *group_flags(g, address, tmp_path, 8, batch=2 * data_ranks)],
+                              {**environment(), **stores[g]}) for g in (0, 1)]
+        runs = [run for group in groups for run in group.result()]
+    assert [run.code for run in runs] == [0] * len(runs), [run.stderr[-3000:] for run in runs]
+    plain = run_entry_on_ranks(2 * nproc, [*TINY, *flags, "--global-batch-size", str(4 * data_ranks), "--train-iters",
+                                           "8", "--log-interval", "1", "--metrics-jsonl", str(tmp_path / "plain.jsonl"),
+                                           "--save", str(tmp_path / "plain")])
+    assert [run.code for run in plain] == [0] * len(plain), [run.stderr[-3000:] for run in plain]
     group0, group1, reference = (records(tmp_path / f"{name}.jsonl") for name in ("group0", "group1", "plain"))
     assert [r["ft_participants"] for r in group0] == [2] * 8
     for a, b, ref in zip(group0, group1, reference, strict=True):
