@@ -147,7 +147,9 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return argv[:at] + argv[at + 2:]
 
 
-FROZEN_ARGV = _without(TINY, "--distributed-timeout-minutes")  # every timeout at its default
+# every timeout at its default; the learning rate's schedule that of 60 iterations however many are run, so that a run
+# frozen on its way to 60 can be checked by restarts of a few iterations against an uninterrupted run of as many
+FROZEN_ARGV = _without(TINY, "--distributed-timeout-minutes") + ["--lr-decay-iters", "60"]
 
 
 def _launch(argv: list[str], env: dict) -> subprocess.Popen:
@@ -202,9 +204,9 @@ def test_a_frozen_first_middle_or_last_rank_is_named_by_a_live_one_with_default_
         assert re.search(rf"ranks {live} of the 4 in the \S+ group are in all_reduce #\d+", summaries[0]), summaries
         assert summaries[0].endswith(f"rank {rank} did not report (dead, or stopped holding the interpreter)")
     reference = str(tmp_path / "reference.jsonl")
-    for argv in [*(argv for argv, _, _ in runs.values()), FROZEN_ARGV + ["--train-iters", "60", "--metrics-jsonl",
-                                                                        reference]]:
-        run = _run(4, argv)  # the restarts, then the uninterrupted run: plain runs, on forked ranks
+    for argv in [*(argv + ["--train-iters", "8"] for argv, _, _ in runs.values()),
+                 FROZEN_ARGV + ["--train-iters", "8", "--metrics-jsonl", reference]]:
+        run = _run(4, argv)  # the restarts to iteration 8, then the uninterrupted run: plain runs, on forked ranks
         assert run.code == 0, run.stderr[-3000:]
     for _, metrics, _ in runs.values():
         assert _losses(metrics) == _losses(reference)
