@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -24,12 +25,20 @@ def environment() -> dict:
 
 
 def lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:
-    """torchft's lighthouse, quick to notice a dead group (1 s without heartbeats), and its address."""
+    """torchft's lighthouse, quick to notice a dead group (1 s without heartbeats), and its address, once it
+    listens."""
     port = free_port()
     process = subprocess.Popen([str(BIN / "torchft_lighthouse"), "--min_replicas", str(min_replicas),
                                 "--join_timeout_ms", "1000", "--quorum_tick_ms", "20", "--heartbeat_timeout_ms",
                                 "1000", "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, env=environment())
+
+    def listening() -> bool:
+        with contextlib.suppress(OSError), socket.create_connection(("localhost", port), timeout=1):
+            return True
+        return False
+
+    wait_for(listening, 30, "the lighthouse to listen")
     return process, f"http://localhost:{port}"
 
 
