@@ -28,15 +28,17 @@ plain values only, so a peer's bytes never run code.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
+import warnings
 from datetime import timedelta
 
 import torch
 
 from megatron_lite.config.fault_tolerance import lighthouse_endpoint
 from megatron_lite.config.sections import Config
-from megatron_lite.errors import UserError
+from megatron_lite.errors import UserError, debug_requested
 from megatron_lite.model.sharding import FlatShard
 from megatron_lite.parallel.state import ParallelState
 
@@ -61,10 +63,39 @@ def _weights_only_transport(timeout: timedelta):
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             import urllib.request
 
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f, warnings.catch_warnings():
+                # the tensors are copied into the model and optimizer: that they share a read-only buffer is moot
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 return _streaming_load(f, weights_only=True)
 
-    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+    transport = WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+    handler = getattr(getattr(transport, "_server", None), "RequestHandlerClass", None)
+    if handler is not None:  # http.server's access line for every transfer a peer takes
+        handler.log_request = lambda *args, **kwargs: None
+    return transport
+
+
+class _TorchftLines(logging.Filter):
+    """torchft's log lines as a run should show them: the flight recorder's warning only where NCCL runs (it is
+    NCCL's), and a peer lost inside a step, the event replica groups exist for, as one line without a traceback
+    (kept with --debug)."""
+
+    def __init__(self, nccl: bool):
+        super().__init__()
+        self.nccl = nccl
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "NCCL flight recorder" in message and not self.nccl:
+            return False
+        if record.exc_info and record.exc_info[1] is not None and not debug_requested():
+            where = message.split("] ", 1)[0] + "]" if message.startswith("[") else "torchft:"
+            error = str(record.exc_info[1]).split(" This is typically")[0]
+            record.msg = (f"{where} a peer replica group was lost during the step ({error}); the step is not "
+                          f"committed and runs again with the groups still alive")
+            record.args, record.exc_info, record.exc_text = (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
 
 def _check_lighthouse_listens(address: str, source: str, seconds: float = 10.0) -> None:
@@ -94,6 +125,7 @@ class ReplicaGroup:
         self.model, self.optimizer = model, optimizer
         timeout = timedelta(minutes=t.distributed_timeout_minutes)
         on_gpu = next(model[0].parameters()).device.type == "cuda"
+        logging.getLogger("torchft.manager").addFilter(_TorchftLines(nccl=on_gpu))
         process_group = ProcessGroupNCCL(timeout=timeout) if on_gpu else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=process_group, load_state_dict=self._load_state_dict, state_dict=self._state_dict,
