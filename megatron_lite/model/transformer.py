@@ -5,14 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.config.layer_pattern import attention_window, is_linear_attention_layer, is_moe_layer
+from megatron_lite.config.layer_specs import layer_spec
 from megatron_lite.config.sections import ModelConfig
-from megatron_lite.model.attention.mla import MultiLatentAttention
-from megatron_lite.model.attention.self_attention import SelfAttention
 from megatron_lite.model.fp8 import FP8Recipe
-from megatron_lite.model.linear_attention.gated_delta_net import GatedDeltaNet
-from megatron_lite.model.mlp import MLP
-from megatron_lite.model.moe.layer import MoELayer
+from megatron_lite.model.layer_kinds import MIXERS, MLPS, LayerParts
 from megatron_lite.model.normalization import apply_norm
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel.random import RNGTracker, checkpoint
@@ -62,9 +58,9 @@ class HiddenDropout(torch.nn.Module):
 
 
 class TransformerLayer(torch.nn.Module):
-    """x + attention(norm(x)), then + mlp(norm(x)). `layer_number` is the global index (0-based). In a layer that
-    --linear-attention-freq makes a linear-attention layer, Gated DeltaNet takes softmax attention's place; in one
-    that --moe-layer-freq makes an MoE layer (with --num-experts), an MoE layer takes the dense MLP's.
+    """x + mixer(norm(x)), then + mlp(norm(x)). `layer_number` is the global index (0-based). The token mixer (softmax
+    or multi-latent attention, Gated DeltaNet) and the MLP (dense or MoE) are the layer's spec's
+    (config/layer_specs.py), built by the tables of model/layer_kinds.py.
 
     With --fp8-format the linears of attention and of a dense MLP compute in FP8 (model/fp8.py), unless
     --first-last-layers-bf16 keeps this layer out; an MoE layer's experts, shared experts and router do not.
@@ -88,32 +84,20 @@ class TransformerLayer(torch.nn.Module):
                  cp_comm_type: str = "p2p"):
         super().__init__()
         self.layer_number = layer_number
-        fp8 = FP8Recipe.for_layer(config, layer_number)
+        spec = layer_spec(config, layer_number)
+        parts = LayerParts(sequence_parallel, attention_backend, rng_tracker, cp_comm_type,
+                           FP8Recipe.for_layer(config, layer_number))
         self.input_layernorm = Norm(config, sequence_parallel)
-        if is_linear_attention_layer(config, layer_number):
-            self.self_attention = GatedDeltaNet(config, pstate, sequence_parallel=sequence_parallel)
-        elif config.multi_latent_attention:
-            self.self_attention = MultiLatentAttention(config, pstate, sequence_parallel=sequence_parallel,
-                                                       backend=attention_backend, rng_tracker=rng_tracker,
-                                                       cp_comm_type=cp_comm_type, fp8=fp8)
-        else:
-            self.self_attention = SelfAttention(config, pstate, sequence_parallel=sequence_parallel,
-                                                backend=attention_backend, rng_tracker=rng_tracker,
-                                                cp_comm_type=cp_comm_type, fp8=fp8,
-                                                window=attention_window(config, layer_number))
+        self.self_attention = MIXERS[spec.mixer](config, pstate, layer_number, spec, parts)
         self.pre_mlp_layernorm = Norm(config, sequence_parallel)
-        if is_moe_layer(config, layer_number):
-            self.mlp = MoELayer(config, pstate, layer_number, sequence_parallel=sequence_parallel,
-                                token_dispatcher=config.moe_token_dispatcher_type)
-        else:
-            self.mlp = MLP(config, pstate, sequence_parallel=sequence_parallel, fp8=fp8)
+        self.mlp = MLPS[spec.mlp](config, pstate, layer_number, spec, parts)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
         self.compiled_residual_blocks = (torch.compile(self.residual_blocks, options={"fallback_random": True})
                                          if config.torch_compile else None)
 
     def forward(self, x: torch.Tensor, rotary, inference_params=None) -> torch.Tensor:
         if inference_params is not None:  # generation: the caches are Python state, so always eager
-            recurrent = isinstance(self.self_attention, GatedDeltaNet)
+            recurrent = getattr(self.self_attention, "keeps_recurrent_state", False)
             return self.residual_blocks(x, rotary, inference_params.layer_cache(self.layer_number, recurrent))
         return (self.compiled_residual_blocks or self.residual_blocks)(x, rotary)
 
@@ -124,7 +108,7 @@ class TransformerLayer(torch.nn.Module):
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The dense MLP, or an MoE layer called outside any torch.compile graph: its token dispatch sizes
         tensors by routing counts read on the host (.tolist()) and it keeps statistics in Python."""
-        return self.mlp(x) if isinstance(self.mlp, MLP) else _run_eagerly(self.mlp, x)
+        return _run_eagerly(self.mlp, x) if getattr(self.mlp, "runs_eagerly", False) else self.mlp(x)
 
 
 

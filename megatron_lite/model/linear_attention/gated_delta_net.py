@@ -85,6 +85,8 @@ class GatedDeltaNet(torch.nn.Module):
     """The token mixer of a linear-attention layer: [s, b, h] -> [s, b, h] (sequence slices under sequence
     parallelism), called as softmax attention is, with the layer's positions (their documents are used)."""
 
+    keeps_recurrent_state = True  # generation gives it a LayerRecurrentState, not a KV cache
+
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool):
         super().__init__()
         tp = pstate.tp_size

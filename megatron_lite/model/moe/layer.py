@@ -62,6 +62,8 @@ _MICROBATCHES, _AUX_LOSS, _Z_LOSS, _DROPPED, _TOKENS_PER_EXPERT = 0, 1, 2, 3, 4
 class MoELayer(torch.nn.Module):
     """The MLP of one MoE transformer layer (global index `layer_number`)."""
 
+    runs_eagerly = True  # its dispatch sizes tensors by routing counts read on the host: no torch.compile graph
+
     def __init__(self, config: ModelConfig, pstate: ParallelState, layer_number: int, *, sequence_parallel: bool,
                  token_dispatcher: str):
         super().__init__()

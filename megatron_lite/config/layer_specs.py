@@ -1,0 +1,39 @@
+"""What each layer of the network is, read once from whichever flags describe the stack (--hybrid-layer-pattern
+sets the per-layer flags it stands for, config/hybrid_layer_pattern.py): its token mixer, its MLP and its softmax
+attention's window. The model builds each layer from its spec (model/layer_kinds.py)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from megatron_lite.config.layer_pattern import (
+    linear_attention_pattern,
+    moe_layer_pattern,
+    window_attention_pattern,
+)
+from megatron_lite.config.sections import ModelConfig
+
+ATTENTION, LATENT_ATTENTION, GATED_DELTA_NET = "attention", "multi-latent attention", "Gated DeltaNet"
+DENSE, MOE = "dense", "MoE"
+
+
+class LayerSpec(NamedTuple):
+    mixer: str  # ATTENTION, LATENT_ATTENTION or GATED_DELTA_NET
+    mlp: str  # DENSE or MOE
+    window: int | None = None  # keys before the query that softmax attention sees; None: all
+
+
+def layer_specs(config: ModelConfig) -> list[LayerSpec]:
+    """The spec of every decoder layer."""
+    softmax = LATENT_ATTENTION if config.multi_latent_attention else ATTENTION
+    return [LayerSpec(GATED_DELTA_NET if linear else softmax, MOE if moe else DENSE,
+                      config.window_size[0] if windowed and not linear else None)
+            for linear, moe, windowed in zip(linear_attention_pattern(config), moe_layer_pattern(config),
+                                             window_attention_pattern(config))]
+
+
+def layer_spec(config: ModelConfig, layer_number: int) -> LayerSpec:
+    """The spec of global layer `layer_number`; a multi-token prediction layer (numbered after the decoder's) is of
+    the last decoder layer's kind, as Megatron builds it."""
+    specs = layer_specs(config)
+    return specs[min(layer_number, len(specs) - 1)]
