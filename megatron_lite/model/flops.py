@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import math
 
-from megatron_lite.config.layer_pattern import linear_attention_pattern, window_attention_pattern
+from megatron_lite.config.layer_specs import (
+    ATTENTION,
+    DENSE,
+    GATED_DELTA_NET,
+    LATENT_ATTENTION,
+    MOE,
+    LayerSpec,
+    layer_spec,
+    layer_specs,
+)
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.mla import mla_projection_weights
 from megatron_lite.model.linear_attention.delta_rule import CHUNK_SIZE
-from megatron_lite.model.moe.layer import moe_layer_numbers
 
 
 def gated_delta_net_flops(config: ModelConfig) -> tuple[int, float]:
@@ -38,38 +46,54 @@ def training_flops_per_token(config: ModelConfig) -> float:
     a query may see, where fewer than seq; with multi-latent attention its projections, and
     2 * seq * heads * (query-key + value head dims); a Gated DeltaNet layer instead its projections and
     `gated_delta_net_flops`' products); each multi-token prediction depth adds its 2h -> h
-    projection, a layer (with the last decoder layer's kind of MLP) and the output layer. Backward costs twice
+    projection, a layer of the last decoder layer's kind and the output layer. Each kind's share is in the tables
+    MIXER_FLOPS and MLP_FLOPS, summed over the layer specs (config/layer_specs.py). Backward costs twice
     the forward. Activation recomputation is not counted: it is work the hardware does, not work the model
     needs, so MFU stays comparable between runs with and without it.
     """
-    h, s, L = config.hidden_size, config.seq_length, config.num_layers
-    q, kv = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
-    attention_weights = h * q * (2 if config.attention_output_gate else 1) + 2 * h * kv + q * h
-    attention_square = 4 * s * q
-    if config.multi_latent_attention:
-        attention_weights = mla_projection_weights(config)
-        q_dims = config.qk_head_dim + config.qk_pos_emb_head_dim
-        attention_square = 2 * s * config.num_attention_heads * (q_dims + config.v_head_dim)
-    mlp_matrices = 3 if config.gated_linear_unit else 2
-    dense_mlp = mlp_matrices * h * config.ffn_hidden_size
-    moe_mlp = 0
-    if config.num_experts:
-        moe_mlp = config.moe_router_topk * mlp_matrices * h * config.moe_ffn_hidden_size + h * config.num_experts
-        if config.moe_shared_expert_intermediate_size:  # and its gate
-            moe_mlp += mlp_matrices * h * config.moe_shared_expert_intermediate_size + h * config.moe_shared_expert_gate
-    mlp_of = {number: moe_mlp for number in moe_layer_numbers(config)}  # MoE layers, MTP layers included
-    mlp_weights = sum(mlp_of.get(number, dense_mlp) for number in range(L))
-    linear = linear_attention_pattern(config)
-    softmax_layers = L - sum(linear)
-    forward = 2 * (softmax_layers * attention_weights + mlp_weights + h * config.vocab_size)
-    forward += softmax_layers * attention_square
-    if config.window_size is not None:  # the windowed softmax layers' queries see LEFT + 1 keys, not seq
-        windowed = sum(w and not is_linear for w, is_linear in zip(window_attention_pattern(config), linear))
-        forward -= windowed * 4 * (s - min(config.window_size[0] + 1, s)) * q
-    if any(linear):
-        linear_weights, mixing = gated_delta_net_flops(config)
-        forward += sum(linear) * (2 * linear_weights + mixing)
-    for number in range(L, L + (config.mtp_num_layers or 0)):
-        forward += 2 * (2 * h * h + attention_weights + mlp_of.get(number, dense_mlp) + h * config.vocab_size)
-        forward += attention_square
+    h, L = config.hidden_size, config.num_layers
+    specs = layer_specs(config)
+    specs += [layer_spec(config, number) for number in range(L, L + (config.mtp_num_layers or 0))]
+    forward = sum(MIXER_FLOPS[spec.mixer](config, spec) + MLP_FLOPS[spec.mlp](config) for spec in specs)
+    forward += 2 * (config.mtp_num_layers or 0) * 2 * h * h  # each depth's 2h -> h projection
+    forward += 2 * (1 + (config.mtp_num_layers or 0)) * h * config.vocab_size  # the output layer, once per depth too
     return forward * 3
+
+
+def _softmax_attention(config: ModelConfig, spec: LayerSpec) -> float:
+    """QKV (and the output gate's rows) and the output projection; the scores and weighted sum over the keys a
+    query sees: all seq of them (the full square, as Megatron counts it), or the window's LEFT + 1."""
+    s, h = config.seq_length, config.hidden_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
+    weights = h * q * (2 if config.attention_output_gate else 1) + 2 * h * kv + q * h
+    keys = s if spec.window is None else min(spec.window + 1, s)
+    return 2 * weights + 4 * keys * q
+
+
+def _latent_attention(config: ModelConfig, spec: LayerSpec) -> float:
+    q_dims = config.qk_head_dim + config.qk_pos_emb_head_dim
+    return (2 * mla_projection_weights(config)
+            + 2 * config.seq_length * config.num_attention_heads * (q_dims + config.v_head_dim))
+
+
+def _gated_delta_net(config: ModelConfig, spec: LayerSpec) -> float:
+    weights, mixing = gated_delta_net_flops(config)
+    return 2 * weights + mixing
+
+
+def _dense_mlp(config: ModelConfig) -> float:
+    return 2 * (3 if config.gated_linear_unit else 2) * config.hidden_size * config.ffn_hidden_size
+
+
+def _moe_mlp(config: ModelConfig) -> float:
+    """The top-k experts a token visits, the router, and the shared expert and its gate."""
+    h, matrices = config.hidden_size, 3 if config.gated_linear_unit else 2
+    weights = config.moe_router_topk * matrices * h * config.moe_ffn_hidden_size + h * config.num_experts
+    if config.moe_shared_expert_intermediate_size:
+        weights += matrices * h * config.moe_shared_expert_intermediate_size + h * config.moe_shared_expert_gate
+    return 2 * weights
+
+
+# Forward FLOPs per token of each kind of token mixer and MLP (config/layer_specs.py)
+MIXER_FLOPS = {ATTENTION: _softmax_attention, LATENT_ATTENTION: _latent_attention, GATED_DELTA_NET: _gated_delta_net}
+MLP_FLOPS = {DENSE: _dense_mlp, MOE: _moe_mlp}
