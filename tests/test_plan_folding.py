@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import pretrain_gpt
+from megatron_lite.config import layer_specs
 from megatron_lite.config.arguments import make_config
-from megatron_lite.config.layer_pattern import LayerKind
 from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.errors import ConfigError
 from megatron_lite.model.moe.layer import MoELayer
@@ -56,6 +56,8 @@ FOLDED = {
                                               "use_distributed_optimizer": True, "ddp_bucket_size": 3000,
                                               "optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.4},
 }
+
+MOE_LAYER = layer_specs.LayerSpec(layer_specs.ATTENTION, layer_specs.MOE)
 
 
 @pytest.mark.parametrize("name", FOLDED)
@@ -117,7 +119,7 @@ def test_expert_activations_follow_the_expert_region_and_the_expert_split():
              (_config(4, expert_tensor_parallel_size=2, expert_model_parallel_size=2),
               _config(4, expert_model_parallel_size=2), experts(64, 2) - experts(32, 1))]
     for folded, unfolded, difference in pairs:
-        assert layer_bytes(folded, LayerKind(moe=True)) - layer_bytes(unfolded, LayerKind(moe=True)) == difference
+        assert layer_bytes(folded, MOE_LAYER) - layer_bytes(unfolded, MOE_LAYER) == difference
         assert layer_bytes(folded) == layer_bytes(unfolded)  # a dense layer does not see the experts' split
 
 

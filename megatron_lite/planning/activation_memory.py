@@ -86,12 +86,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config.layer_pattern import (
-    LayerKind,
-    attention_window,
-    is_moe_layer,
-    layer_kind,
-    layer_kinds,
+from megatron_lite.config.layer_pattern import is_moe_layer
+from megatron_lite.config.layer_specs import (
+    ATTENTION,
+    DENSE,
+    GATED_DELTA_NET,
+    LATENT_ATTENTION,
+    MOE,
+    LayerSpec,
+    layer_spec,
+    layer_specs,
 )
 from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.config.sections import Config
@@ -172,7 +176,7 @@ def gated_delta_net_bytes(config: Config) -> int:
     return convolution + query_keys + decays + rule_inputs + output
 
 
-_DENSE_SOFTMAX = LayerKind()
+_DENSE_SOFTMAX = LayerSpec(ATTENTION, DENSE)
 
 
 def softmax_attention_bytes(config: Config, materialised: bool) -> int:
@@ -199,36 +203,41 @@ def softmax_attention_bytes(config: Config, materialised: bool) -> int:
     return tokens * per_token + key_values + mask
 
 
-def layer_bytes(config: Config, kind: LayerKind = _DENSE_SOFTMAX, materialised: bool = False) -> int:
-    """Bytes one micro-batch saves in one transformer layer of `kind` (an MoE layer's MLP as moe_mlp_bytes, a
-    Gated DeltaNet's as gated_delta_net_bytes, softmax attention as softmax_attention_bytes, `materialised` or
-    not) without recomputation."""
-    m, tp = config.model, config.parallel.tensor_model_parallel_size
+def layer_bytes(config: Config, spec: LayerSpec = _DENSE_SOFTMAX) -> int:
+    """Bytes one micro-batch saves in one transformer layer of `spec` without recomputation: its mixer's input,
+    its mixer's and MLP's bytes by the tables MIXER_BYTES and MLP_BYTES, and its two norms."""
     e = param_bytes(config)
     tokens, stream = _tokens(config)
-    h, nh = m.hidden_size, m.num_attention_heads // tp
-    per_token = e * h  # QKV input
-    attention = 0
-    if kind.linear_attention:
-        per_token += gated_delta_net_bytes(config)
-    elif m.multi_latent_attention:
-        per_token += latent_attention_bytes(config) + (0 if m.recompute_granularity == "selective" else FP32 * nh)
-    else:
-        attention = softmax_attention_bytes(config, materialised)
-    widths = 4 if m.gated_linear_unit else 2  # fc1 output (2 ffn wide gated), the activation's output, the product
-    mlp = moe_mlp_bytes(config) if kind.moe else tokens * e * (h + m.ffn_hidden_size // tp * widths)
-    return tokens * per_token + attention + mlp + stream * 2 * _norm_bytes(config, e)
+    return (tokens * e * config.model.hidden_size + MIXER_BYTES[spec.mixer](config, spec)
+            + MLP_BYTES[spec.mlp](config) + stream * 2 * _norm_bytes(config, e))
 
 
-def _materialised(config: Config, layer_number: int) -> bool:
-    """Whether global layer `layer_number`'s softmax attention is window_and_sinks.py's."""
-    m = config.model
-    return m.softmax_type != "vanilla" or attention_window(m, layer_number) is not None
+def _softmax_attention(config: Config, spec: LayerSpec) -> int:
+    """By a fused kernel, or by window_and_sinks.py's materialised scores (a window, or sinks)."""
+    return softmax_attention_bytes(config, config.model.softmax_type != "vanilla" or spec.window is not None)
 
 
-def layer_keys(config: Config) -> list[tuple[LayerKind, bool]]:
-    """What decides each decoder layer's saved bytes: its kind, and whether its attention is materialised."""
-    return [(kind, _materialised(config, number)) for number, kind in enumerate(layer_kinds(config.model))]
+def _latent_attention(config: Config, spec: LayerSpec) -> int:
+    m, tokens = config.model, _tokens(config)[0]
+    heads = m.num_attention_heads // config.parallel.tensor_model_parallel_size
+    lse = 0 if m.recompute_granularity == "selective" else FP32 * heads  # the kernel's log-sum-exp
+    return tokens * (latent_attention_bytes(config) + lse)
+
+
+def _gated_delta_net(config: Config, spec: LayerSpec) -> int:
+    return _tokens(config)[0] * gated_delta_net_bytes(config)
+
+
+def _dense_mlp(config: Config) -> int:
+    """fc1's input and output (2 ffn wide gated), the activation's output and the product."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    widths = 4 if m.gated_linear_unit else 2
+    return _tokens(config)[0] * param_bytes(config) * (m.hidden_size + m.ffn_hidden_size // tp * widths)
+
+
+def layer_keys(config: Config) -> list[LayerSpec]:
+    """What decides each decoder layer's saved bytes: its spec."""
+    return layer_specs(config.model)
 
 
 def moe_mlp_bytes(config: Config) -> int:
@@ -290,7 +299,7 @@ def mtp_bytes(config: Config) -> int:
     e = param_bytes(config)
     tokens, stream = _tokens(config)
     per_depth = (2 * tokens * INDEX + 2 * stream * _norm_bytes(config, e) + tokens * e * 2 * m.hidden_size
-                 + layer_bytes(config, layer_kind(m, m.num_layers), _materialised(config, m.num_layers))
+                 + layer_bytes(config, layer_spec(m, m.num_layers))
                  + head_bytes(config)[0])
     return m.mtp_num_layers * per_depth
 
@@ -336,7 +345,7 @@ class _LayoutTerms:
     """What every stage of a layout shares: the bytes each kind of layer saves, the head's (saved, transient)
     and multi-token prediction's bytes, backward's gradients and FP8's buffers."""
 
-    layers: dict[tuple[LayerKind, bool], int]  # by layer_keys' key
+    layers: dict[LayerSpec, int]  # by layer_keys' key
     head: tuple[int, int]
     mtp: int
     backward_gradients: int
@@ -344,7 +353,7 @@ class _LayoutTerms:
 
     @classmethod
     def of(cls, config: Config) -> _LayoutTerms:
-        return cls({key: layer_bytes(config, *key) for key in set(layer_keys(config))}, head_bytes(config),
+        return cls({key: layer_bytes(config, key) for key in set(layer_keys(config))}, head_bytes(config),
                    mtp_bytes(config), _backward_gradients(config), fp8_gemm_bytes(config))
 
 
@@ -509,3 +518,8 @@ def weight_pass_bytes(config: Config, chunk) -> int:
         vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
         total += stream * norm * h + tokens * e * vocab
     return total
+
+
+# Bytes one micro-batch saves in each kind of token mixer and MLP (config/layer_specs.py)
+MIXER_BYTES = {ATTENTION: _softmax_attention, LATENT_ATTENTION: _latent_attention, GATED_DELTA_NET: _gated_delta_net}
+MLP_BYTES = {DENSE: _dense_mlp, MOE: moe_mlp_bytes}

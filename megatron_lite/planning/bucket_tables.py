@@ -25,7 +25,7 @@ from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.planning.param_shapes import (
     ParamShape,
     back_params,
-    chunk_layer_kinds,
+    chunk_layer_specs,
     chunk_params,
     front_params,
     layer_numels,
@@ -83,21 +83,21 @@ class _Run:
 def _runs(config: Config, chunk: ChunkPlan) -> list[_Run]:
     """The chunk's parameters as runs, in backward order, dense ones first: the chunk's own parameters after its
     layers (final norm, output layer, multi-token prediction), each layer's (last layer first), those before its
-    layers; then the routed experts', in the same order. The runs of one layer kind share their lists."""
-    kinds = chunk_layer_kinds(config, chunk)
-    per_kind = {}
-    for kind in set(kinds):
-        dense, expert = layer_numels(config, kind)
-        per_kind[kind] = ((dense[::-1], [False] * len(dense)), (expert[::-1], [False] * len(expert)))
+    layers; then the routed experts', in the same order. The runs of one layer spec share their lists."""
+    specs = chunk_layer_specs(config, chunk)
+    per_spec = {}
+    for spec in set(specs):
+        dense, expert = layer_numels(config, spec)
+        per_spec[spec] = ((dense[::-1], [False] * len(dense)), (expert[::-1], [False] * len(expert)))
     back, front = back_params(config, chunk)[::-1], front_params(config, chunk)[::-1]
-    if not kinds:  # no layer between them: one unit
+    if not specs:  # no layer between them: one unit
         back, front = back + front, []
     runs = []
     for expert in (False, True):
         ends = [[param for param in params if param.expert == expert] for params in (back, front)]
         ends = [_Run(expert, -1, [param.numel for param in params], [param.isolated for param in params])
                 for params in ends]
-        layers = [_Run(expert, index, *per_kind[kinds[index]][expert]) for index in reversed(range(chunk.num_layers))]
+        layers = [_Run(expert, index, *per_spec[specs[index]][expert]) for index in reversed(range(chunk.num_layers))]
         runs += [ends[0], *layers, ends[1]]
     return runs
 

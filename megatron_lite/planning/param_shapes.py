@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.config.layer_pattern import LayerKind, layer_kinds
+from megatron_lite.config.layer_specs import LayerSpec, layer_specs
 from megatron_lite.config.layer_split import ChunkPlan
 from megatron_lite.config.sections import Config
 from megatron_lite.model.attention.self_attention import choose_attention_backend
@@ -54,27 +54,27 @@ def _listed(named_parameters, isolated: tuple = ()) -> list[ParamShape]:
                        uses_muon(name, param)) for name, param in named_parameters]
 
 
-def _layer_shapes(config: Config, kind: LayerKind) -> list[ParamShape]:
-    """One TransformerLayer of `kind`'s parameters, built as the first decoder layer of that kind."""
+def _layer_shapes(config: Config, spec: LayerSpec) -> list[ParamShape]:
+    """The parameters of a TransformerLayer of `spec`, built as the first decoder layer of that spec."""
     def build() -> list[ParamShape]:
-        number = layer_kinds(config.model).index(kind)
+        number = layer_specs(config.model).index(spec)
         with _META, initialization_skipped():
             layer = TransformerLayer(config.model, _first_rank(config), number,
                                      sequence_parallel=config.parallel.sequence_parallel,
                                      attention_backend=choose_attention_backend("auto", _META), rng_tracker=None)
         return _listed(layer.named_parameters())
 
-    return shared(("layer shapes", shapes_key(config), kind), build)
+    return shared(("layer shapes", shapes_key(config), spec), build)
 
 
-def layer_numels(config: Config, kind: LayerKind) -> tuple[list[int], list[int]]:
+def layer_numels(config: Config, spec: LayerSpec) -> tuple[list[int], list[int]]:
     """One TransformerLayer's element counts in registration order: the dense parameters and the routed experts'."""
-    shapes = _layer_shapes(config, kind)
+    shapes = _layer_shapes(config, spec)
     return [p.numel for p in shapes if not p.expert], [p.numel for p in shapes if p.expert]
 
 
-def _layer_params(config: Config, kind: LayerKind, unit: int) -> list[ParamShape]:
-    return [ParamShape(p.numel, p.expert, unit, p.isolated, p.muon) for p in _layer_shapes(config, kind)]
+def _layer_params(config: Config, spec: LayerSpec, unit: int) -> list[ParamShape]:
+    return [ParamShape(p.numel, p.expert, unit, p.isolated, p.muon) for p in _layer_shapes(config, spec)]
 
 
 def _ends(config: Config, chunk: ChunkPlan) -> tuple[list[ParamShape], list[ParamShape]]:
@@ -105,26 +105,26 @@ def back_params(config: Config, chunk: ChunkPlan) -> list[ParamShape]:
 def chunk_params(config: Config, chunk: ChunkPlan) -> list[ParamShape]:
     """A GPTModel chunk's parameters in `module.parameters()` order."""
     params = front_params(config, chunk)
-    for index, kind in enumerate(chunk_layer_kinds(config, chunk)):
-        params += _layer_params(config, kind, index)
+    for index, spec in enumerate(chunk_layer_specs(config, chunk)):
+        params += _layer_params(config, spec, index)
     return params + back_params(config, chunk)
 
 
-def chunk_layer_kinds(config: Config, chunk: ChunkPlan) -> list[LayerKind]:
-    """The kind of each layer of the chunk."""
-    return layer_kinds(config.model)[chunk.layer_offset:chunk.layer_offset + chunk.num_layers]
+def chunk_layer_specs(config: Config, chunk: ChunkPlan) -> list[LayerSpec]:
+    """The spec of each layer of the chunk."""
+    return layer_specs(config.model)[chunk.layer_offset:chunk.layer_offset + chunk.num_layers]
 
 
 def chunk_numels(config: Config, chunk: ChunkPlan) -> tuple[int, int]:
-    """(dense, routed expert) parameter elements of a chunk, each layer kind counted once."""
+    """(dense, routed expert) parameter elements of a chunk, each layer spec counted once."""
     def count() -> tuple[int, int]:
-        kinds = chunk_layer_kinds(config, chunk)
+        specs = chunk_layer_specs(config, chunk)
         ends = front_params(config, chunk) + back_params(config, chunk)
         dense = sum(param.numel for param in ends if not param.expert)
         expert = sum(param.numel for param in ends if param.expert)
-        for kind in set(kinds):
-            layers = kinds.count(kind)
-            layer_dense, layer_expert = layer_numels(config, kind)
+        for spec in set(specs):
+            layers = specs.count(spec)
+            layer_dense, layer_expert = layer_numels(config, spec)
             dense, expert = dense + layers * sum(layer_dense), expert + layers * sum(layer_expert)
         return dense, expert
 
