@@ -8,16 +8,14 @@ meaning N - 1 linear-attention layers then one softmax-attention layer, repeated
 a linear-attention layer and 0 for softmax attention. Megatron evaluates the expression with eval after a
 character filter; here it is parsed into a syntax tree of which only integer literals, lists of them, + and *
 are evaluated, so no other code can run. --window-attn-skip-freq reads as --linear-attention-freq does (1 for a
-windowed layer). Every part of the package that needs to know a layer's kind (the model builder, the planner, the
-FLOP count, the Hugging Face conversion) asks `moe_layer_pattern` and `linear_attention_pattern`, or
-`layer_kinds`.
+windowed layer). These per-layer lists are read into each layer's spec once (config/layer_specs.py), which the
+model builder, the planner, the FLOP count and the Hugging Face conversion ask.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-from typing import NamedTuple
 
 from megatron_lite.config.sections import ModelConfig
 
@@ -124,19 +122,6 @@ def _parsed(freq: int | str, num_layers: int, parse) -> tuple[bool, ...]:
     return tuple(parse(freq, num_layers))
 
 
-def _of_layer(pattern: list[bool], layer_number: int) -> bool:
-    """The pattern's entry for global layer `layer_number`; a multi-token prediction layer (numbered after the
-    decoder's) takes the last decoder layer's."""
-    return pattern[min(layer_number, len(pattern) - 1)]
-
-
-def is_moe_layer(config: ModelConfig, layer_number: int) -> bool:
-    """Whether global layer `layer_number` (0-based) is an MoE layer. A multi-token prediction layer (numbered
-    after the decoder's, model/mtp.py) is of the last decoder layer's kind, as Megatron builds it: DeepSeek-V3's
-    is an MoE layer."""
-    return _of_layer(moe_layer_pattern(config), layer_number)
-
-
 def linear_attention_pattern(config: ModelConfig) -> list[bool]:
     """One bool per layer of the decoder, True where the layer mixes tokens by linear attention
     (--experimental-attention-variant) instead of softmax attention; all False without the variant."""
@@ -154,34 +139,6 @@ def window_attention_pattern(config: ModelConfig) -> list[bool]:
     if config.window_attn_skip_freq is None:
         return [True] * config.num_layers
     return _pattern(config.window_attn_skip_freq, config.num_layers, parse_interleaved_freq)
-
-
-def attention_window(config: ModelConfig, layer_number: int) -> int | None:
-    """The window (keys before the query) of global layer `layer_number`'s softmax attention, None for full."""
-    return config.window_size[0] if _of_layer(window_attention_pattern(config), layer_number) else None
-
-
-def is_linear_attention_layer(config: ModelConfig, layer_number: int) -> bool:
-    """Whether global layer `layer_number` (0-based) is a linear-attention layer; a multi-token prediction layer
-    is of the last decoder layer's kind."""
-    return _of_layer(linear_attention_pattern(config), layer_number)
-
-
-class LayerKind(NamedTuple):
-    """What a decoder layer is built of: an MoE or a dense MLP, Gated DeltaNet or softmax attention."""
-
-    moe: bool = False
-    linear_attention: bool = False
-
-
-def layer_kind(config: ModelConfig, layer_number: int) -> LayerKind:
-    """The kind of global layer `layer_number` (a multi-token prediction layer: the last decoder layer's)."""
-    return LayerKind(is_moe_layer(config, layer_number), is_linear_attention_layer(config, layer_number))
-
-
-def layer_kinds(config: ModelConfig) -> list[LayerKind]:
-    """The kind of every layer of the decoder."""
-    return [LayerKind(*kinds) for kinds in zip(moe_layer_pattern(config), linear_attention_pattern(config))]
 
 
 def layer_pattern_problems(config: ModelConfig) -> list[str]:

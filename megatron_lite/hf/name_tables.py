@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.config.layer_pattern import LayerKind
+from megatron_lite.config.layer_specs import GATED_DELTA_NET, MOE, LayerSpec
 from megatron_lite.config.sections import ModelConfig
 
 Shape = tuple[int, ...]
@@ -176,12 +176,13 @@ class NameTable:
     mtp: list[Rule] | None = None
     linear_layer: Callable[[bool], list[Rule]] | None = None
 
-    def rules_of(self, kind: LayerKind) -> list[Rule]:
-        """The rules of a layer of this kind: `linear_layer(moe)` for a Gated DeltaNet layer (Qwen3-Next), else
+    def rules_of(self, spec: LayerSpec) -> list[Rule]:
+        """The rules of a layer of `spec`: `linear_layer(moe)` for a Gated DeltaNet layer (Qwen3-Next), else
         `layer`, or `dense_layer` for a dense layer where the family has one."""
-        if kind.linear_attention:
-            return self.linear_layer(kind.moe)
-        return self.layer if kind.moe or self.dense_layer is None else self.dense_layer
+        moe = spec.mlp == MOE
+        if spec.mixer == GATED_DELTA_NET:
+            return self.linear_layer(moe)
+        return self.layer if moe or self.dense_layer is None else self.dense_layer
 
 
 def _h(m):

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_lite.config.layer_pattern import LayerKind, layer_kind, layer_kinds
+from megatron_lite.config.layer_specs import LayerSpec, layer_spec, layer_specs
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.hf.configs import ConversionError
 from megatron_lite.hf.name_tables import NAME_TABLES, NameTable, Rule
@@ -61,7 +61,7 @@ def units(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[Unit
     the biggest tensor of most models), each decoder layer, each multi-token prediction module. `layers`
     wraps the loop over layer indices (a progress bar)."""
     table = NAME_TABLES[family](m)
-    kinds = layer_kinds(m)
+    specs = layer_specs(m)
 
     def expand(rules: list[Rule], values: dict) -> Unit:
         return [(rule, {**values, "expert": expert}) for rule in rules
@@ -70,10 +70,10 @@ def units(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[Unit
     for rule in table.head:
         yield [(rule, {})]
     for layer in layers(range(m.num_layers)):
-        yield expand(table.rules_of(kinds[layer]), {"layer": layer})
+        yield expand(table.rules_of(specs[layer]), {"layer": layer})
     for depth in range(m.mtp_num_layers or 0):
         layer = m.num_layers + depth  # where the module is stored, and the global number of its layer
-        yield expand(_mtp_rules(table, layer_kind(m, layer)), {"layer": layer, "depth": depth})
+        yield expand(_mtp_rules(table, layer_spec(m, layer)), {"layer": layer, "depth": depth})
     for rule in table.tail:
         yield [(rule, {})]
 
@@ -84,7 +84,7 @@ def _expanded(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[
         yield from unit
 
 
-def _mtp_rules(table: NameTable, kind: LayerKind) -> list[Rule]:
+def _mtp_rules(table: NameTable, spec: LayerSpec) -> list[Rule]:
     """A multi-token prediction module's rules: its own, then its transformer layer's (a decoder layer's rules of
     the same kind, under our module's name)."""
     if table.mtp is None:
@@ -92,7 +92,7 @@ def _mtp_rules(table: NameTable, kind: LayerKind) -> list[Rule]:
                               "--mtp-num-layers")
     inner = [dataclasses.replace(rule, ours=rule.ours.replace("decoder.layers.{layer}.",
                                                               "mtp.layers.{depth}.transformer_layer."))
-             for rule in table.rules_of(kind)]
+             for rule in table.rules_of(spec)]
     return table.mtp + inner
 
 

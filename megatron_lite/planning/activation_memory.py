@@ -86,7 +86,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config.layer_pattern import is_moe_layer
 from megatron_lite.config.layer_specs import (
     ATTENTION,
     DENSE,
@@ -501,7 +500,7 @@ def weight_pass_bytes(config: Config, chunk) -> int:
             size += tokens * e * ((nh + 2 * ng) * d + h)  # QKV and output projection
         if m.qk_layernorm and not m.multi_latent_attention:
             size += tokens * norm * (nh + ng) * d
-        moe = is_moe_layer(m, layer_number)
+        moe = layer_spec(m, layer_number).mlp == MOE
         if moe:
             size += stream * FP32 * m.num_experts  # the router's GEMM runs in fp32
             expert_ffn = m.moe_ffn_hidden_size // expert_tensor_parallel_size(config)
