@@ -51,11 +51,15 @@ class Layer(NamedTuple):
 class HybridPattern(NamedTuple):
     segments: tuple[tuple[Layer, ...], ...]  # the decoder's layers, by `|` segment
     depths: tuple[Layer, ...]  # one layer per multi-token prediction depth
-    symbols: int  # the decoder's sublayers (Megatron's --num-layers for the pattern)
 
     @property
     def layers(self) -> list[Layer]:
         return [layer for segment in self.segments for layer in segment]
+
+    @property
+    def symbols(self) -> int:
+        """The decoder's sublayers, two per layer (Megatron's --num-layers for the pattern)."""
+        return 2 * len(self.layers)
 
 
 def _layers(text: str) -> tuple[Layer, ...]:
@@ -97,7 +101,7 @@ def parse_hybrid_layer_pattern(text: str) -> HybridPattern:
     if any(depth != last for depth in parsed_depths):
         raise LayerPatternError(f"each multi-token prediction depth is of the last decoder layer's kind here "
                                 f"({''.join(last)})")
-    return HybridPattern(segments, tuple(parsed_depths), sum(2 * len(segment) for segment in segments))
+    return HybridPattern(segments, tuple(parsed_depths))
 
 
 def apply_hybrid_layer_pattern(config: Config, given: set[str]) -> list[str]:

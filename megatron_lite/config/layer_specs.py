@@ -32,8 +32,13 @@ def layer_specs(config: ModelConfig) -> list[LayerSpec]:
                                              window_attention_pattern(config))]
 
 
-def layer_spec(config: ModelConfig, layer_number: int) -> LayerSpec:
-    """The spec of global layer `layer_number`; a multi-token prediction layer (numbered after the decoder's) is of
-    the last decoder layer's kind, as Megatron builds it."""
+def numbered_layer_specs(config: ModelConfig) -> list[LayerSpec]:
+    """The spec of every numbered layer: the decoder's, then one per multi-token prediction depth (numbered after
+    the decoder's), each of the last decoder layer's kind, as Megatron builds it."""
     specs = layer_specs(config)
-    return specs[min(layer_number, len(specs) - 1)]
+    return specs + specs[-1:] * (config.mtp_num_layers or 0)
+
+
+def layer_spec(config: ModelConfig, layer_number: int) -> LayerSpec:
+    """The spec of global layer `layer_number`, a decoder or a multi-token prediction layer."""
+    return numbered_layer_specs(config)[layer_number]

@@ -11,8 +11,7 @@ from megatron_lite.config.layer_specs import (
     LATENT_ATTENTION,
     MOE,
     LayerSpec,
-    layer_spec,
-    layer_specs,
+    numbered_layer_specs,
 )
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.mla import mla_projection_weights
@@ -51,10 +50,9 @@ def training_flops_per_token(config: ModelConfig) -> float:
     the forward. Activation recomputation is not counted: it is work the hardware does, not work the model
     needs, so MFU stays comparable between runs with and without it.
     """
-    h, L = config.hidden_size, config.num_layers
-    specs = layer_specs(config)
-    specs += [layer_spec(config, number) for number in range(L, L + (config.mtp_num_layers or 0))]
-    forward = sum(MIXER_FLOPS[spec.mixer](config, spec) + MLP_FLOPS[spec.mlp](config) for spec in specs)
+    h = config.hidden_size
+    forward = sum(MIXER_FLOPS[spec.mixer](config, spec) + MLP_FLOPS[spec.mlp](config)
+                  for spec in numbered_layer_specs(config))
     forward += 2 * (config.mtp_num_layers or 0) * 2 * h * h  # each depth's 2h -> h projection
     forward += 2 * (1 + (config.mtp_num_layers or 0)) * h * config.vocab_size  # the output layer, once per depth too
     return forward * 3

@@ -100,7 +100,7 @@ from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.config.sections import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.planning.bucket_tables import chunk_table
-from megatron_lite.planning.param_shapes import expert_tensor_parallel_size
+from megatron_lite.planning.param_shapes import chunk_layer_specs, expert_tensor_parallel_size
 from megatron_lite.planning.shared_cache import per_config
 from megatron_lite.planning.state_memory import FP32, group_sizes, param_bytes, zero_stage_of
 
@@ -490,7 +490,7 @@ def weight_pass_bytes(config: Config, chunk) -> int:
     d, nh, ng = m.head_dim, m.num_attention_heads // tp, m.num_query_groups // tp
     gated = 2 if m.gated_linear_unit else 1
     total = 0
-    for layer_number in range(chunk.layer_offset, chunk.layer_offset + chunk.num_layers):
+    for spec in chunk_layer_specs(config, chunk):
         size = 2 * stream * norm * h  # input and pre-MLP norms
         if m.multi_latent_attention:  # the gradients of every projection's output
             q_width = nh * (m.qk_head_dim + m.qk_pos_emb_head_dim) + (m.q_lora_rank or 0)
@@ -500,7 +500,7 @@ def weight_pass_bytes(config: Config, chunk) -> int:
             size += tokens * e * ((nh + 2 * ng) * d + h)  # QKV and output projection
         if m.qk_layernorm and not m.multi_latent_attention:
             size += tokens * norm * (nh + ng) * d
-        moe = layer_spec(m, layer_number).mlp == MOE
+        moe = spec.mlp == MOE
         if moe:
             size += stream * FP32 * m.num_experts  # the router's GEMM runs in fp32
             expert_ffn = m.moe_ffn_hidden_size // expert_tensor_parallel_size(config)
