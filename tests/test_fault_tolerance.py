@@ -107,7 +107,9 @@ def test_a_killed_replica_group_is_dropped_and_rejoins_from_its_peer(tmp_path):
     assert trained_by_1 <= {r["iteration"] for r in survivor if r["ft_participants"] == 2} <= trained_by_1 | unlogged
     assert all(record["ft_participants"] == 2 for record in second)
     survivor_log = logs[0].read_text()  # the loss of a peer in one line, and no noise from the libraries
-    assert "a peer replica group was lost during the step" in survivor_log, survivor_log[-3000:]
+    lost_at = next(iteration for iteration in alone if iteration > killed_at)
+    assert (f"replica groups at iteration {lost_at}: 1 (was 2; a peer replica group was lost)"
+            in survivor_log), survivor_log[-3000:]
     for noise in ("Traceback", "flight recorder", "GET /checkpoint"):
         assert noise not in survivor_log, (noise, survivor_log[-3000:])
     assert "Warning" not in logs[2].read_text(), logs[2].read_text()[-3000:]  # the restart, healed from its peer

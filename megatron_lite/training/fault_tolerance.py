@@ -136,6 +136,8 @@ class ReplicaGroup:
             checkpoint_transport=_weights_only_transport(timeout), timeout=timeout, quorum_timeout=timeout)
         self.manager.load_state_dict({"step": iteration, "batches_committed": 0})
         self._in_step = False
+        self._logs = pstate.rank == 0
+        self._groups_seen: int | None = None
 
     # -- a step ------------------------------------------------------------------------------------------
     def start_step(self) -> int:
@@ -144,7 +146,19 @@ class ReplicaGroup:
         if not self._in_step:
             self.manager.start_quorum()
             self._in_step = True
+            self._report_quorum_change()
         return self.manager.current_step()
+
+    def _report_quorum_change(self) -> None:
+        """One line when the quorum's groups change, whether a peer died inside a step (torchft's error, filtered
+        above, says so too) or between steps (nothing fails then: the lighthouse just forms the quorum without
+        it)."""
+        groups = self.manager.num_participants()
+        if self._logs and self._groups_seen is not None and groups != self._groups_seen:
+            change = "a peer replica group was lost" if groups < self._groups_seen else "a replica group joined"
+            print(f" replica groups at iteration {self.manager.current_step() + 1}: {groups} (was "
+                  f"{self._groups_seen}; {change})", flush=True)
+        self._groups_seen = groups
 
     def average_gradients(self) -> None:
         """Average every rank's reduced gradients with the live groups' (a failed peer leaves them unusable, and
