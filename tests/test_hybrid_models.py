@@ -190,9 +190,9 @@ def test_the_planned_gated_delta_net_bytes_per_token_are_what_autograd_saves(bf1
     the layer) and the parameters are left out."""
     import torch
 
+    from megatron_lite.model.kinds.gated_delta_net import gated_delta_net_bytes
     from megatron_lite.model.linear_attention.gated_delta_net import GatedDeltaNet
     from megatron_lite.parallel.state import ParallelState
-    from megatron_lite.planning.activation_memory import gated_delta_net_bytes
 
     config = make_config({**HYBRID, "bf16": bf16, "linear_value_head_dim": 6, "recompute_granularity": recompute})
     dtype = torch.bfloat16 if bf16 else torch.float32

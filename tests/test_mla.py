@@ -21,8 +21,8 @@ from megatron_lite.model.attention.self_attention import rotary_embedding
 from megatron_lite.model.attention.yarn import YarnScaling
 from megatron_lite.model.flops import training_flops_per_token
 from megatron_lite.model.gpt import GPTModel
+from megatron_lite.model.kinds.latent_attention import latent_attention_bytes
 from megatron_lite.parallel.state import Layout, ParallelState
-from megatron_lite.planning.activation_memory import latent_attention_bytes
 from tests.harness import run_on_ranks
 from tests.helpers import SMALL, TINY_2_LAYERS, forward_backward, reference, saved_bytes, train_and_collect
 from tests.helpers import assert_run_matches as assert_training_matches

@@ -24,9 +24,10 @@ from megatron_lite.config import layer_specs
 from megatron_lite.config.arguments import make_config
 from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.errors import ConfigError
+from megatron_lite.model.kinds.moe import moe_mlp_bytes
 from megatron_lite.model.moe.layer import MoELayer
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.planning.activation_memory import layer_bytes, moe_mlp_bytes
+from megatron_lite.planning.activation_memory import layer_bytes
 from megatron_lite.planning.layouts import candidate_flags, enumerate_plans, plan_layout
 from megatron_lite.planning.report import plan_record
 from megatron_lite.planning.state_memory import stage_state_bytes

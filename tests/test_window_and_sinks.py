@@ -172,8 +172,8 @@ def test_the_planned_softmax_attention_bytes_are_what_autograd_saves(attention, 
     planner's bytes plus the RoPE cos and sin tables, which the planner counts once per model chunk; the layer's
     input and the parameters are left out."""
     from megatron_lite.model.attention.self_attention import Documents, SelfAttention, rotary_embedding
+    from megatron_lite.model.kinds.softmax_attention import softmax_attention_bytes
     from megatron_lite.parallel.state import ParallelState
-    from megatron_lite.planning.activation_memory import softmax_attention_bytes
     from tests.helpers import saved_bytes
 
     values = {**TINY_2_LAYERS, "attention_dropout": 0.0, "micro_batch_size": batch, "bf16": bf16,
@@ -202,8 +202,8 @@ def test_selective_recompute_keeps_only_the_core_attentions_inputs_for_every_sof
     saved bytes fall (the materialised scores are recomputed, not kept) to the planner's, the fused kernel's
     inputs and output; and the recomputed layer's gradients equal the plain layer's."""
     from megatron_lite.model.attention.self_attention import Documents, SelfAttention, rotary_embedding
+    from megatron_lite.model.kinds.softmax_attention import softmax_attention_bytes
     from megatron_lite.parallel.state import ParallelState
-    from megatron_lite.planning.activation_memory import softmax_attention_bytes
     from tests.helpers import saved_bytes
 
     measured, planned, gradients = {}, {}, {}

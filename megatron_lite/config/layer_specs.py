@@ -1,6 +1,6 @@
 """What each layer of the network is, read once from whichever flags describe the stack (--hybrid-layer-pattern
 sets the per-layer flags it stands for, config/hybrid_layer_pattern.py): its token mixer, its MLP and its softmax
-attention's window. The model builds each layer from its spec (model/layer_kinds.py)."""
+attention's window. The model builds each layer from its spec (model/kinds/)."""
 
 from __future__ import annotations
 

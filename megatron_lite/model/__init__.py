@@ -2,6 +2,7 @@
 
     gpt.py              GPTModel: embedding -> transformer layers -> final norm -> output layer and loss
     transformer.py      pre-norm transformer layers and the block one model chunk holds
+    kinds/              every kind of token mixer and MLP: how a layer builds it, its FLOPs and saved bytes
     attention/          self-attention (GQA, RoPE, kernels), multi-latent attention, YaRN, context parallelism
     mlp.py              the dense feed-forward block
     moe/                Mixture-of-Experts: router, token dispatchers, experts

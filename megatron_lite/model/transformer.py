@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megatron_lite.config.layer_specs import layer_spec
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.fp8 import FP8Recipe
-from megatron_lite.model.layer_kinds import MIXERS, MLPS, LayerParts
+from megatron_lite.model.kinds import MIXERS, MLPS, LayerParts
 from megatron_lite.model.normalization import apply_norm
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel.random import RNGTracker, checkpoint
@@ -60,7 +60,7 @@ class HiddenDropout(torch.nn.Module):
 class TransformerLayer(torch.nn.Module):
     """x + mixer(norm(x)), then + mlp(norm(x)). `layer_number` is the global index (0-based). The token mixer (softmax
     or multi-latent attention, Gated DeltaNet) and the MLP (dense or MoE) are the layer's spec's
-    (config/layer_specs.py), built by the tables of model/layer_kinds.py.
+    (config/layer_specs.py), built by the tables of model/kinds/.
 
     With --fp8-format the linears of attention and of a dense MLP compute in FP8 (model/fp8.py), unless
     --first-last-layers-bf16 keeps this layer out; an MoE layer's experts, shared experts and router do not.
@@ -88,9 +88,9 @@ class TransformerLayer(torch.nn.Module):
         parts = LayerParts(sequence_parallel, attention_backend, rng_tracker, cp_comm_type,
                            FP8Recipe.for_layer(config, layer_number))
         self.input_layernorm = Norm(config, sequence_parallel)
-        self.self_attention = MIXERS[spec.mixer](config, pstate, layer_number, spec, parts)
+        self.self_attention = MIXERS[spec.mixer].build(config, pstate, layer_number, spec, parts)
         self.pre_mlp_layernorm = Norm(config, sequence_parallel)
-        self.mlp = MLPS[spec.mlp](config, pstate, layer_number, spec, parts)
+        self.mlp = MLPS[spec.mlp].build(config, pstate, layer_number, spec, parts)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
         self.compiled_residual_blocks = (torch.compile(self.residual_blocks, options={"fallback_random": True})
                                          if config.torch_compile else None)

@@ -7,32 +7,11 @@ bf16/fp16, 4 in fp32) and tp-local widths:
 
   each norm (input and pre-MLP)  its input in fp32 and its normalized fp32 intermediate (RMSNorm: 4h + 4h,
                                  plus a 4-byte rstd; LayerNorm: e h input and 8 bytes of mean and rstd)
-  QKV and fc1 inputs             e h each (the whole sequence under sequence parallelism: the linear saves
-                                 the all-gathered input)
-  QKV output                     e (nh + 2 ng) d / tp, kept alive by the value heads attention saves
-  rotated q and k (RoPE)         e (nh + ng) d / tp; without RoPE the query copy e nh d / tp
-  attention output               e nh d / tp (also the output projection's input) and a 4-byte
-                                 log-sum-exp per head
-  output gate (Qwen3-Next)       its rows in the QKV output, e nh d / tp more; sigmoid(gate) and the gated
-                                 output, 2 e nh d / tp
-  materialised attention         a layer with a window, or any with sinks (window_and_sinks.py), instead of
-                                 the QKV output, rotated q and k, and log-sum-exp: an fp32 copy of q, k and v
-                                 repeated to the query heads in fp32 over the sequence's s keys, the fp32
-                                 probabilities over s keys (and the sink), 4 nh (s + 1) / tp, and the bool
-                                 mask, s x s per micro-batch (per sequence with documents); under context
-                                 parallelism the rank's s/cp queries over the gathered s keys, as p2p,
-                                 allgather and a2a+p2p save them (a2a keeps k and v of nh / cp heads instead)
-  MLP                            fc1 output e c ffn / tp (c = 2 for SwiGLU), the activation's output
-                                 e ffn / tp, and SwiGLU's product e ffn / tp
-  MoE layer's MLP                the router's fp32 input, logits and scores (4 E) and top-k probabilities
-                                 and indices on the rank's own tokens; for k copies of each token of the
-                                 expert region, the routed experts' input e h, fc1 output, activation and
-                                 product (ffn / etp wide; ETP: --expert-tensor-parallel-size), their output
-                                 and its probability-weighted copy e 2h, the probability and three int64
-                                 indices; the region is the ETP group's tokens (s/tp each, gathered) where its
-                                 ranks hold different ones, else the rank's s; a shared expert's input (a
-                                 tensor of its own under sequence parallelism or bf16/fp16), fc1 output,
-                                 activation and product on s tokens, ffn / tp wide, and its gate's output
+  each token mixer and MLP       what its kind's module says (model/kinds/: softmax attention with windows,
+                                 sinks and an output gate; multi-latent attention; Gated DeltaNet; the dense
+                                 MLP; the MoE layer), summed over the layer specs
+  the layer's input              e h (the mixer's first linear saves it; the whole sequence under sequence
+                                 parallelism, where the linear saves the all-gathered input)
 
 Norms see s/tp tokens under sequence parallelism; everything else s (the local s/cp with context parallelism).
 Each chunk keeps its RoPE cos and sin tables. The last stage adds the final norm, the output layer's input e
@@ -60,51 +39,30 @@ fills, and under ZeRO-3 the gathered parameters of the chunk's own unit and of t
 (--fp8-format) adds the quantization buffers of its widest GEMM to both peaks (fp8_gemm_bytes); tensorwise FP8
 saves a linear's input in 1 byte where e is counted above, so its saved bytes are an upper bound. The last stage
 adds the multi-token prediction modules' saved tensors (mtp_bytes) to its head's.
-
-Multi-latent attention (model/attention/mla.py) saves instead of QKV's tensors, with nh local heads: its input e h; per
-latent (query, with --q-lora-rank, and key/value) the norm's (as the norms above) and the up-projection's input
-e r (in fp32 the key/value norm's input is a view that keeps the whole down-projection output); the query and
-the key of e nh (qk_head_dim + qk_pos_emb_head_dim) each; the up-projection's
-output e nh (qk_head_dim + v_head_dim), which the value heads keep alive (with padded heads, the padded value
-e nh max(dims) instead); the attention output e nh v_head_dim and the log-sum-exp. These are the tensors fused
-kernels save; the CPU's SDPA math path (different query-key and value head sizes) also saves the [s, s]
-probabilities, so tests/test_mla.py checks the formula against the tensors autograd saves with the core attention
-recomputed (selective), which saves only its inputs; the kernels' own saves are not checked.
-
-A Gated DeltaNet layer (model/linear_attention/gated_delta_net.py) saves instead of the attention's, with its rank's
-key and value heads (c = 2 dk nk + dv nv convolution channels): its input projection's input e h; the convolution's
-input, its kernel - 1 shifted copies and its output, 5 e c; what the L2 norms of q and k read (in fp32 the
-convolution's SiLU output, 4 c; else its fp32 copies of q and k) and their 4-byte rsqrt per head; beta, the decay
-and softplus's input and output, 4 x 4 bytes per value head; the delta rule's inputs, which are all it keeps (it
-recomputes its chunks in backward): q and k repeated to the value heads in fp32, and v, e dv nv; the output side's
-fp32 rule output, its contiguous copy, the normalized output, z and SiLU(z) (5 x 4 dv nv), the norm's rsqrt, and the
-output projection's input e dv nv (gated_delta_net_bytes; tests/test_hybrid_models.py checks it against autograd).
-The ZB-H1 weight-pass bytes count such a layer as softmax attention.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config.layer_specs import (
-    ATTENTION,
-    DENSE,
-    GATED_DELTA_NET,
-    LATENT_ATTENTION,
-    MOE,
-    LayerSpec,
-    layer_spec,
-    layer_specs,
-)
+from megatron_lite.config.layer_specs import ATTENTION, DENSE, MOE, LayerSpec, layer_spec, layer_specs
 from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.config.sections import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
+from megatron_lite.model.kinds import MIXERS, MLPS
+from megatron_lite.model.kinds.activation_terms import (
+    FP32,
+    INDEX,
+    expert_region_tokens,
+    expert_tensor_parallel_size,
+    micro_batch_tokens,
+    norm_bytes,
+    param_bytes,
+)
 from megatron_lite.planning.bucket_tables import chunk_table
-from megatron_lite.planning.param_shapes import chunk_layer_specs, expert_tensor_parallel_size
+from megatron_lite.planning.param_shapes import chunk_layer_specs
 from megatron_lite.planning.shared_cache import per_config
-from megatron_lite.planning.state_memory import FP32, group_sizes, param_bytes, zero_stage_of
-
-INDEX = 8  # int64 token ids and labels
+from megatron_lite.planning.state_memory import group_sizes, zero_stage_of
 
 
 @dataclass
@@ -118,143 +76,21 @@ class ActivationBytes:
     peak: int
 
 
-def _tokens(config: Config) -> tuple[int, int]:
-    """Tokens of one micro-batch on one rank: (all local tokens, tokens of the residual stream)."""
-    m, p, b = config.model, config.parallel, config.training.micro_batch_size
-    tokens = m.seq_length // p.context_parallel_size * b
-    return tokens, tokens // p.tensor_model_parallel_size if p.sequence_parallel else tokens
-
-
-def _norm_bytes(config: Config, e: int) -> int:
-    h = config.model.hidden_size
-    return 8 * h + FP32 if config.model.normalization == "RMSNorm" else e * h + 2 * FP32
-
-
-def latent_attention_bytes(config: Config) -> int:
-    """Bytes per token multi-latent attention saves beyond its input (module docstring)."""
-    m, p = config.model, config.parallel
-    e, nh = param_bytes(config), m.num_attention_heads // p.tensor_model_parallel_size
-    q_dim = m.qk_head_dim + m.qk_pos_emb_head_dim
-    ranks = [m.kv_lora_rank] + ([m.q_lora_rank] if m.q_lora_rank is not None else [])
-    norm = (lambda r: 2 * FP32 * r + FP32) if m.normalization == "RMSNorm" else (lambda r: e * r + 2 * FP32)
-    latents = sum((norm(r) if m.qk_layernorm else 0) + e * r for r in ranks)
-    if m.qk_layernorm and e == FP32:  # the key/value latent's norm input is a view of the down-projection's output
-        latents += FP32 * m.qk_pos_emb_head_dim
-    padded = q_dim != m.v_head_dim and (p.context_parallel_size > 1 or m.attention_backend == "flash")
-    values = max(q_dim, m.v_head_dim) if padded else m.qk_head_dim + m.v_head_dim
-    return latents + e * nh * (2 * q_dim + values + m.v_head_dim)
-
-
-def expert_region_tokens(config: Config) -> int:
-    """Tokens of one micro-batch that a rank's routed experts serve (model/moe/layer.py's expert region): the ETP
-    group's, all-gathered when its ranks hold different tokens (sequence parallelism, or ETP ranks that are not the
-    rank's TP peers under folding), else the rank's own. With ETP = TP that is every local token."""
-    p = config.parallel
-    tokens, stream = _tokens(config)
-    etp = expert_tensor_parallel_size(config)
-    return stream * etp if p.sequence_parallel or etp != p.tensor_model_parallel_size else tokens
-
-
-def gated_delta_net_bytes(config: Config) -> int:
-    """Bytes per token a Gated DeltaNet layer saves beyond its input projection's input (module docstring), with
-    its tensor-parallel rank's heads (context parallelism trades tokens for heads: the product is the same);
-    recomputed (selective), its core keeps only its input and output."""
-    m, tp = config.model, config.parallel.tensor_model_parallel_size
-    e = param_bytes(config)
-    key_heads, value_heads = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
-    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
-    if m.recompute_granularity == "selective":  # the core's input (the projections' output) and its gated output
-        return e * (2 * key_heads * dk + 2 * value_heads * dv + 2 * value_heads) + e * value_heads * dv
-    channels = key_heads * 2 * dk + value_heads * dv
-    convolution = 5 * e * channels  # its input and the kernel - 1 shifted copies, and its output (SiLU's input)
-    query_keys = FP32 * channels if e == FP32 else 2 * FP32 * key_heads * dk  # what the L2 norms read
-    query_keys += 2 * FP32 * key_heads  # their rsqrt
-    decays = 4 * FP32 * value_heads  # beta, g, softplus's input and output
-    rule_inputs = 2 * FP32 * value_heads * dk + e * value_heads * dv  # q and k repeated to the value heads, v
-    output = 5 * FP32 * value_heads * dv + FP32 * value_heads + e * value_heads * dv
-    return convolution + query_keys + decays + rule_inputs + output
-
-
 _DENSE_SOFTMAX = LayerSpec(ATTENTION, DENSE)
-
-
-def softmax_attention_bytes(config: Config, materialised: bool) -> int:
-    """Bytes one micro-batch saves in softmax attention beyond the QKV projection's input (module docstring): by a
-    fused kernel, or `materialised` by window_and_sinks.py's attention (a layer with a window, or any with sinks).
-    Recomputed (selective), either core keeps only its inputs and output."""
-    m, tp = config.model, config.parallel.tensor_model_parallel_size
-    e = param_bytes(config)
-    tokens = _tokens(config)[0]
-    d, nh, ng = m.head_dim, m.num_attention_heads // tp, m.num_query_groups // tp
-    gate = e * 2 * nh * d if m.attention_output_gate else 0  # sigmoid(gate) and the gated output
-    if not materialised or m.recompute_granularity == "selective":
-        lse = 0 if m.recompute_granularity == "selective" else FP32 * nh
-        query_rows = nh * (2 if m.attention_output_gate else 1)
-        per_token = e * (query_rows + 2 * ng) * d  # QKV output
-        per_token += e * (nh + ng) * d if m.rotary_position_embeddings else e * nh * d
-        return tokens * (per_token + e * nh * d + lse + gate)
-    keys = m.seq_length  # every query's row of scores spans the whole sequence (gathered under CP)
-    batch = config.training.micro_batch_size
-    sinks = m.softmax_type != "vanilla"
-    per_token = FP32 * nh * d + FP32 * nh * (keys + sinks) + e * nh * d + gate  # fp32 q, probabilities, output
-    key_values = 2 * FP32 * nh * d * batch * keys  # fp32 k and v, repeated to the query heads
-    mask = tokens // batch * keys * (batch if config.data.reset_attention_mask else 1)  # bool, shared by the rows
-    return tokens * per_token + key_values + mask
 
 
 def layer_bytes(config: Config, spec: LayerSpec = _DENSE_SOFTMAX) -> int:
     """Bytes one micro-batch saves in one transformer layer of `spec` without recomputation: its mixer's input,
-    its mixer's and MLP's bytes by the tables MIXER_BYTES and MLP_BYTES, and its two norms."""
+    its mixer's and MLP's bytes by their kinds (model/kinds/), and its two norms."""
     e = param_bytes(config)
-    tokens, stream = _tokens(config)
-    return (tokens * e * config.model.hidden_size + MIXER_BYTES[spec.mixer](config, spec)
-            + MLP_BYTES[spec.mlp](config) + stream * 2 * _norm_bytes(config, e))
-
-
-def _softmax_attention(config: Config, spec: LayerSpec) -> int:
-    """By a fused kernel, or by window_and_sinks.py's materialised scores (a window, or sinks)."""
-    return softmax_attention_bytes(config, config.model.softmax_type != "vanilla" or spec.window is not None)
-
-
-def _latent_attention(config: Config, spec: LayerSpec) -> int:
-    m, tokens = config.model, _tokens(config)[0]
-    heads = m.num_attention_heads // config.parallel.tensor_model_parallel_size
-    lse = 0 if m.recompute_granularity == "selective" else FP32 * heads  # the kernel's log-sum-exp
-    return tokens * (latent_attention_bytes(config) + lse)
-
-
-def _gated_delta_net(config: Config, spec: LayerSpec) -> int:
-    return _tokens(config)[0] * gated_delta_net_bytes(config)
-
-
-def _dense_mlp(config: Config) -> int:
-    """fc1's input and output (2 ffn wide gated), the activation's output and the product."""
-    m, tp = config.model, config.parallel.tensor_model_parallel_size
-    widths = 4 if m.gated_linear_unit else 2
-    return _tokens(config)[0] * param_bytes(config) * (m.hidden_size + m.ffn_hidden_size // tp * widths)
+    tokens, stream = micro_batch_tokens(config)
+    return (tokens * e * config.model.hidden_size + MIXERS[spec.mixer].saved_bytes(config, spec)
+            + MLPS[spec.mlp].saved_bytes(config, spec) + stream * 2 * norm_bytes(config, e))
 
 
 def layer_keys(config: Config) -> list[LayerSpec]:
     """What decides each decoder layer's saved bytes: its spec."""
     return layer_specs(config.model)
-
-
-def moe_mlp_bytes(config: Config) -> int:
-    """Bytes one micro-batch saves in an MoE layer's MLP (module docstring), for softmax routing with a balancing
-    loss (other router settings save other [tokens, E] fp32 tensors)."""
-    m, p = config.model, config.parallel
-    e, h, k = param_bytes(config), m.hidden_size, m.moe_router_topk
-    tokens, stream = _tokens(config)
-    widths = 4 if m.gated_linear_unit else 2
-    router = FP32 * (h + 2 * m.num_experts + 1) + k * (FP32 + INDEX)  # this rank's tokens (s/tp under SP)
-    experts = e * (3 * h + widths * (m.moe_ffn_hidden_size // expert_tensor_parallel_size(config)) + 1) + 3 * INDEX
-    total = stream * router + expert_region_tokens(config) * k * experts
-    shared = m.moe_shared_expert_intermediate_size
-    if shared:  # on every local token: its input (the router's fp32 one without SP, in fp32), fc1 and activation
-        own_input = p.sequence_parallel or e != FP32
-        gate = e * (h + 1) if m.moe_shared_expert_gate else 0  # its output and the gate's sigmoid
-        total += tokens * (e * (h * own_input + widths * (shared // p.tensor_model_parallel_size)) + gate)
-    return total
 
 
 def _recomputed_layers(config: Config, chunk_num_layers: int) -> list[bool]:
@@ -281,9 +117,9 @@ def head_bytes(config: Config) -> tuple[int, int]:
     """(saved, transient) bytes of the final norm, output layer and loss for one micro-batch."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     e = param_bytes(config)
-    tokens, stream = _tokens(config)
+    tokens, stream = micro_batch_tokens(config)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
-    saved = stream * _norm_bytes(config, e) + tokens * (e * m.hidden_size + FP32 * vocab + INDEX + 1 + 3 * FP32)
+    saved = stream * norm_bytes(config, e) + tokens * (e * m.hidden_size + FP32 * vocab + INDEX + 1 + 3 * FP32)
     return saved, tokens * e * vocab
 
 
@@ -296,8 +132,8 @@ def mtp_bytes(config: Config) -> int:
     if not m.mtp_num_layers:
         return 0
     e = param_bytes(config)
-    tokens, stream = _tokens(config)
-    per_depth = (2 * tokens * INDEX + 2 * stream * _norm_bytes(config, e) + tokens * e * 2 * m.hidden_size
+    tokens, stream = micro_batch_tokens(config)
+    per_depth = (2 * tokens * INDEX + 2 * stream * norm_bytes(config, e) + tokens * e * 2 * m.hidden_size
                  + layer_bytes(config, layer_spec(m, m.num_layers))
                  + head_bytes(config)[0])
     return m.mtp_num_layers * per_depth
@@ -361,7 +197,7 @@ def stage_activation_bytes(config: Config, pp_rank: int, schedule: str) -> Activ
     ("no_pipelining", "1f1b", "interleaved", "gpipe" or "zb-h1")."""
     p, m = config.parallel, config.model
     e = param_bytes(config)
-    tokens, stream = _tokens(config)
+    tokens, stream = micro_batch_tokens(config)
     pp, micro = p.pipeline_model_parallel_size, config.num_microbatches
     chunks = model_chunk_plans(config, pp_rank)
     chunk_saved, rebuild = [], 0
@@ -429,7 +265,7 @@ def fp8_gemm_bytes(config: Config) -> int:
     m, tp = config.model, config.parallel.tensor_model_parallel_size
     if m.fp8_format is None:
         return 0
-    tokens, _ = _tokens(config)
+    tokens, _ = micro_batch_tokens(config)
     h, d, e = m.hidden_size, m.head_dim, param_bytes(config)
     # (in, out) features of QKV, the attention projection, fc1 and fc2 on one TP rank
     linears = [(h, (m.num_attention_heads + 2 * m.num_query_groups) * d // tp), (m.num_attention_heads * d // tp, h),
@@ -449,7 +285,7 @@ def _backward_gradients(config: Config) -> int:
     ffn-wide tensors) once fc2's weight gradient has freed the product; a GeLU MLP the gradients of the
     activation's output and of fc1's output once the activation's output is freed."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
-    tokens, stream = _tokens(config)
+    tokens, stream = micro_batch_tokens(config)
     widest = tokens * (m.ffn_hidden_size // tp)  # rows x ffn-wide columns: a dense MLP's, or the routed experts'
     if m.num_experts:
         experts = m.moe_router_topk * (m.moe_ffn_hidden_size // expert_tensor_parallel_size(config))
@@ -482,7 +318,7 @@ def weight_pass_bytes(config: Config, chunk) -> int:
     """
     m, p = config.model, config.parallel
     e, tp = param_bytes(config), p.tensor_model_parallel_size
-    tokens, stream = _tokens(config)
+    tokens, stream = micro_batch_tokens(config)
     h = m.hidden_size
     if chunk.pre_process:
         return stream * e * h
@@ -517,8 +353,3 @@ def weight_pass_bytes(config: Config, chunk) -> int:
         vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
         total += stream * norm * h + tokens * e * vocab
     return total
-
-
-# Bytes one micro-batch saves in each kind of token mixer and MLP (config/layer_specs.py)
-MIXER_BYTES = {ATTENTION: _softmax_attention, LATENT_ATTENTION: _latent_attention, GATED_DELTA_NET: _gated_delta_net}
-MLP_BYTES = {DENSE: _dense_mlp, MOE: moe_mlp_bytes}

@@ -14,6 +14,7 @@ from megatron_lite.config.layer_specs import LayerSpec, layer_specs
 from megatron_lite.config.layer_split import ChunkPlan
 from megatron_lite.config.sections import Config
 from megatron_lite.model.attention.self_attention import choose_attention_backend
+from megatron_lite.model.kinds.activation_terms import expert_tensor_parallel_size
 from megatron_lite.model.provider import build_model_chunk
 from megatron_lite.model.sharding import initialization_skipped
 from megatron_lite.model.transformer import TransformerLayer
@@ -33,12 +34,6 @@ class ParamShape:
     unit: int = -1  # ZeRO-3 gathering unit: the chunk-local layer index, -1 for the rest of the chunk
     isolated: bool = False  # the tied-embedding copy that the first and last stage keep equal
     muon: bool = False  # a hidden weight matrix, which --optimizer muon steps (optim/muon_optimizer.py)
-
-
-def expert_tensor_parallel_size(config: Config) -> int:
-    """The ranks splitting each routed expert's weights: --expert-tensor-parallel-size, else TP (Megatron's)."""
-    p = config.parallel
-    return p.expert_tensor_parallel_size or p.tensor_model_parallel_size
 
 
 def _first_rank(config: Config) -> ParallelState:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from megatron_lite.config.sections import Config
+from megatron_lite.model.kinds.activation_terms import expert_tensor_parallel_size
 from megatron_lite.planning.layouts import Plan, plan_layout
-from megatron_lite.planning.param_shapes import expert_tensor_parallel_size
 from megatron_lite.planning.state_memory import zero_stage_of
 from megatron_lite.planning.step_time import Hardware
 

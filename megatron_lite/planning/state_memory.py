@@ -30,17 +30,11 @@ from dataclasses import dataclass
 
 from megatron_lite.config.layer_split import ChunkPlan, model_chunk_plans
 from megatron_lite.config.sections import Config
+from megatron_lite.model.kinds.activation_terms import FP32, expert_tensor_parallel_size, param_bytes
 from megatron_lite.optim.cpu_offload import offloaded_count
 from megatron_lite.optim.zero_stage import ZeroStage
 from megatron_lite.planning.bucket_tables import chunk_table, param_buckets
-from megatron_lite.planning.param_shapes import (
-    ParamShape,
-    chunk_numels,
-    chunk_params,
-    expert_tensor_parallel_size,
-)
-
-FP32 = 4
+from megatron_lite.planning.param_shapes import ParamShape, chunk_numels, chunk_params
 
 
 @dataclass
@@ -59,12 +53,6 @@ class StateBytes:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
-
-
-def param_bytes(config: Config) -> int:
-    """Bytes per model weight: 2 with --bf16/--fp16, else 4."""
-    o = config.optimizer
-    return 2 if (o.bf16 or o.fp16) else FP32
 
 
 def zero_stage_of(config: Config) -> ZeroStage:

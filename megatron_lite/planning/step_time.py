@@ -10,7 +10,7 @@ hide communication). Per rank and step, with m micro-batches of t local tokens:
   tensor par. 4 all-reduces (or all-gather + reduce-scatter with SP, the same bytes) of t h e per layer and
               micro-batch, 2 (tp - 1) / tp of them over the link (6 with full recomputation): half in
               attention, half in the MLP; a folded MoE layer (ETP != TP) makes its MLP half over the ETP
-              group on the expert region's tokens (planning/activation_memory.expert_region_tokens) and, with
+              group on the expert region's tokens (model/kinds/activation_terms.expert_region_tokens) and, with
               a shared expert, the dense MLP's half again over TP
   context     K/V around the ring: 3 (cp - 1) steps of the rank's K and V per layer and micro-batch
   pipeline    one t h e send per micro-batch, chunk and direction
@@ -39,10 +39,14 @@ from dataclasses import asdict, dataclass
 from megatron_lite.config.layer_specs import MOE, layer_specs
 from megatron_lite.config.sections import Config
 from megatron_lite.model.flops import training_flops_per_token
-from megatron_lite.planning.activation_memory import expert_region_tokens
-from megatron_lite.planning.param_shapes import expert_tensor_parallel_size
+from megatron_lite.model.kinds.activation_terms import (
+    FP32,
+    expert_region_tokens,
+    expert_tensor_parallel_size,
+    param_bytes,
+)
 from megatron_lite.planning.shared_cache import shared
-from megatron_lite.planning.state_memory import FP32, StateBytes, param_bytes, zero_stage_of
+from megatron_lite.planning.state_memory import StateBytes, zero_stage_of
 
 
 @dataclass(frozen=True)

@@ -151,17 +151,3 @@ def _pad_to_one_head_dim(q, k, v):
     if v_dim < qk_dim:
         return q, k, F.pad(v, (0, qk_dim - v_dim))
     return F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim)), v
-
-
-def mla_projection_weights(config: ModelConfig) -> int:
-    """Weights of one MLA layer's projections (for model FLOPs): the query path, both key/value projections and
-    the output projection."""
-    nh, h = config.num_attention_heads, config.hidden_size
-    q_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
-    if config.q_lora_rank is None:
-        queries = h * nh * q_dim
-    else:
-        queries = h * config.q_lora_rank + config.q_lora_rank * nh * q_dim
-    keys_values = (h * (config.kv_lora_rank + config.qk_pos_emb_head_dim)
-                   + config.kv_lora_rank * nh * (config.qk_head_dim + config.v_head_dim))
-    return queries + keys_values + nh * config.v_head_dim * h
