@@ -22,6 +22,11 @@ class LayerSpec(NamedTuple):
     mlp: str  # DENSE or MOE
     window: int | None = None  # keys before the query that softmax attention sees; None: all
 
+    @property
+    def routed_experts(self) -> bool:
+        """Whether its MLP routes tokens to experts (what expert parallelism splits)."""
+        return self.mlp == MOE
+
 
 def layer_specs(config: ModelConfig) -> list[LayerSpec]:
     """The spec of every decoder layer."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.config.layer_specs import GATED_DELTA_NET, MOE, LayerSpec
+from megatron_lite.config.layer_specs import GATED_DELTA_NET, LayerSpec
 from megatron_lite.config.sections import ModelConfig
 
 Shape = tuple[int, ...]
@@ -179,7 +179,7 @@ class NameTable:
     def rules_of(self, spec: LayerSpec) -> list[Rule]:
         """The rules of a layer of `spec`: `linear_layer(moe)` for a Gated DeltaNet layer (Qwen3-Next), else
         `layer`, or `dense_layer` for a dense layer where the family has one."""
-        moe = spec.mlp == MOE
+        moe = spec.routed_experts
         if spec.mixer == GATED_DELTA_NET:
             return self.linear_layer(moe)
         return self.layer if moe or self.dense_layer is None else self.dense_layer

@@ -30,7 +30,7 @@ import torch
 from megatron_lite.checkpoint.sharded import ShardedTensor
 from megatron_lite.config.arguments import field_owner, make_config
 from megatron_lite.config.flag_dependencies import acting_flags
-from megatron_lite.config.layer_specs import MOE, layer_specs
+from megatron_lite.config.layer_specs import layer_specs
 from megatron_lite.config.sections import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
 from megatron_lite.errors import ConfigError
@@ -234,7 +234,7 @@ def mlite_to_megatron(load_dir: str, save_dir: str, iteration: int | None, layou
         raise ConversionError(f"{path} cannot be written for Megatron-LM at TP{tp} x PP{pp}: {error}") from None
     iteration, consumed = checkpoint.saved["iteration"], checkpoint.saved["consumed_samples"]
     vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    moe_layers = [spec.mlp == MOE for spec in layer_specs(m)]
+    moe_layers = [spec.routed_experts for spec in layer_specs(m)]
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     temporary = final + ".tmp"
     os.makedirs(temporary)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config.layer_specs import ATTENTION, DENSE, MOE, LayerSpec, layer_spec, layer_specs
+from megatron_lite.config.layer_specs import ATTENTION, DENSE, LayerSpec, layer_spec, layer_specs
 from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.config.sections import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
@@ -336,7 +336,7 @@ def weight_pass_bytes(config: Config, chunk) -> int:
             size += tokens * e * ((nh + 2 * ng) * d + h)  # QKV and output projection
         if m.qk_layernorm and not m.multi_latent_attention:
             size += tokens * norm * (nh + ng) * d
-        moe = spec.mlp == MOE
+        moe = spec.routed_experts
         if moe:
             size += stream * FP32 * m.num_experts  # the router's GEMM runs in fp32
             expert_ffn = m.moe_ffn_hidden_size // expert_tensor_parallel_size(config)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megatron_lite.config.layer_specs import MOE, layer_specs
+from megatron_lite.config.layer_specs import layer_specs
 from megatron_lite.config.sections import Config
 from megatron_lite.model.flops import training_flops_per_token
 from megatron_lite.model.kinds.activation_terms import (
@@ -143,7 +143,7 @@ def _tensor_parallel_seconds(config: Config, hardware: Hardware, tokens: int) ->
     dense = _all_reduce_seconds(tokens, tp, config, hardware)
     seconds = 2 * layers * dense  # attention and MLP
     if etp != tp and m.num_experts:
-        moe_here = sum(spec.mlp == MOE for spec in layer_specs(m)) / pp
+        moe_here = sum(spec.routed_experts for spec in layer_specs(m)) / pp
         experts = _all_reduce_seconds(expert_region_tokens(config), etp, config, hardware)
         shared = dense if m.moe_shared_expert_intermediate_size else 0.0
         seconds += moe_here * (experts + shared - dense)
@@ -175,7 +175,7 @@ def predict_step_time(config: Config, schedule: str, state: StateBytes, hardware
     data_parallel = data_parallel_bytes(config, state, hardware).seconds(hardware)
     expert_parallel = 0.0
     if ep > 1:
-        moe_here = sum(spec.mlp == MOE for spec in layer_specs(m)) / pp
+        moe_here = sum(spec.routed_experts for spec in layer_specs(m)) / pp
         routed = expert_region_tokens(config) * m.moe_router_topk * m.hidden_size * e
         span = expert_tensor_parallel_size(config) * ep
         expert_parallel = moe_here * micro * 4 * routed * (ep - 1) / ep / _bandwidth(hardware, span)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.config.layer_specs import MOE, numbered_layer_specs
+from megatron_lite.config.layer_specs import numbered_layer_specs
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.loss_scaling import auxiliary_loss_weight
 from megatron_lite.model.moe.experts import GroupedExperts, SharedExpertMLP
@@ -215,7 +215,7 @@ def moe_layer_numbers(config: ModelConfig) -> list[int]:
     """Global indices of the MoE layers, multi-token prediction layers included (numbered after the decoder's)."""
     if not config.num_experts:
         return []
-    return [number for number, spec in enumerate(numbered_layer_specs(config)) if spec.mlp == MOE]
+    return [number for number, spec in enumerate(numbered_layer_specs(config)) if spec.routed_experts]
 
 
 @torch.no_grad()
