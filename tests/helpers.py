@@ -214,6 +214,17 @@ def saved_bytes(module, x: torch.Tensor, positions, skip: set) -> int:
     return sum(saved.values())
 
 
+def saved_bytes_per_token(module, hidden_size: int, dtype: torch.dtype) -> float:
+    """What `module` saves per token of a [s, 1, hidden] input: two sequence lengths cancel what does not grow with
+    it; the input and the parameters are left out."""
+    measured = []
+    for seq in (128, 256):
+        x = torch.randn(seq, 1, hidden_size, dtype=dtype, requires_grad=True)
+        skip = {t.untyped_storage().data_ptr() for t in (x, *module.parameters())}
+        measured.append(saved_bytes(module, x, None, skip))
+    return (measured[1] - measured[0]) / 128
+
+
 def gather_pieces(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     """Every TP rank's tensor, in TP-rank order (the tensors have equal shapes)."""
     return list(mappings.all_gather_dim0(tensor.detach().unsqueeze(0), group).unbind(0))

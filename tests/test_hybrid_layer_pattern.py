@@ -19,6 +19,7 @@ from megatron_lite.parallel.state import ParallelState
 from tests.harness import run_on_ranks
 from tests.helpers import TINY_2_LAYERS, assert_run_matches, reference, train_and_collect
 from tests.test_hybrid_models import LINEAR
+from tests.test_mamba2 import MAMBA
 from tests.test_mla import TRAIN as MLA
 
 # Each preset's stack written in Megatron's symbols (a mixer, then its MLP, per transformer layer)
@@ -87,6 +88,8 @@ EXAMPLES = {
     "G-G-|G-*-/*-": {**LINEAR},
     "+E+E|+E+E/+E": {**MLA, "num_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2},
     "*-*-|*-*E": {"num_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2},
+    "M-M-|M-M*-": {**MAMBA},
+    "MEM*E|MME": {**MAMBA, "num_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2},
 }
 LAYOUTS = {"pp2": {"pipeline_model_parallel_size": 2}, "tp2": {"tensor_model_parallel_size": 2},
            "ep2": {"expert_model_parallel_size": 2}}
@@ -114,7 +117,9 @@ def test_uneven_and_virtual_stages_of_a_pattern_train_as_one_process():
 
 
 @pytest.mark.parametrize("values,message", [
-    ({"hybrid_layer_pattern": "M-M-"}, r"'M-M-': M \(Mamba\) layers are not built by this version"),
+    ({"hybrid_layer_pattern": "D-D-"}, r"'D-D-': D \(DeepSeek sparse attention\) layers are not built by this "
+                                       r"version"),
+    ({"hybrid_layer_pattern": "M-G*-"}, r"each mixer \(\* \+ G\) must be followed by its MLP"),
     ({"hybrid_layer_pattern": "*-**-"}, r"each mixer \(\* \+ G\) must be followed by its MLP"),
     ({"hybrid_layer_pattern": "*-x-"}, r"'x' is not a layer symbol"),
     ({"hybrid_layer_pattern": "*E*E"}, r"has MoE layers \(E\): give --num-experts"),

@@ -2,15 +2,16 @@
 
 One symbol per sublayer, each with its own pre-norm and residual, as in Megatron's hybrid models:
 
-    *  softmax attention      +  multi-latent attention      G  Gated DeltaNet
+    *  softmax attention      +  multi-latent attention      G  Gated DeltaNet      M  Mamba-2
     -  dense MLP              E  MoE layer
     |  a pipeline stage boundary                             /  before each multi-token prediction depth
 
 A mixer symbol and the MLP symbol after it make one transformer layer here (a GPT layer is "*-"), so a pattern
 builds the network its flags would, with the same parameter names: "G-G-|G-*-/*-" is four layers (three Gated
 DeltaNet, then softmax attention; dense MLPs) over two pipeline stages, and one MTP depth of the last layer's kind.
-Megatron's M (Mamba) and D (DeepSeek sparse attention) are not built by this version, nor a mixer without its MLP
-or an MLP without its mixer; each is refused with one line.
+A Mamba-2 mixer (M) not followed by an MLP is a layer of its own, as in Nemotron-H ("M-M*-" is three layers: M-,
+M, *-) and pure Mamba-2 models ("MMMM"). Megatron's D (DeepSeek sparse attention) is not built by this version,
+nor another mixer without its MLP or an MLP without its mixer; each is refused with one line.
 
 `apply_hybrid_layer_pattern` sets --num-layers, --moe-layer-freq, --linear-attention-freq,
 --multi-latent-attention, --experimental-attention-variant and --mtp-num-layers from the pattern; each of them
@@ -35,17 +36,18 @@ from megatron_lite.config.layer_pattern import (
 if TYPE_CHECKING:
     from megatron_lite.config.sections import Config
 
-MIXERS = {"*": "softmax attention", "+": "multi-latent attention", "G": "Gated DeltaNet"}
+MIXERS = {"*": "softmax attention", "+": "multi-latent attention", "G": "Gated DeltaNet", "M": "Mamba-2"}
 MLPS = {"-": "a dense MLP", "E": "an MoE layer"}
-NOT_BUILT = {"M": "Mamba", "D": "DeepSeek sparse attention"}
+ALONE = {"M"}  # mixers that make a layer without an MLP when none follows
+NOT_BUILT = {"D": "DeepSeek sparse attention"}
 STAGE, DEPTH = "|", "/"
 
 
 class Layer(NamedTuple):
-    """One transformer layer of the pattern: its mixer's symbol and its MLP's."""
+    """One transformer layer of the pattern: its mixer's symbol and its MLP's (None: a mixer alone)."""
 
     mixer: str
-    mlp: str
+    mlp: str | None
 
 
 class HybridPattern(NamedTuple):
@@ -58,24 +60,29 @@ class HybridPattern(NamedTuple):
 
     @property
     def symbols(self) -> int:
-        """The decoder's sublayers, two per layer (Megatron's --num-layers for the pattern)."""
-        return 2 * len(self.layers)
+        """The decoder's sublayers, one per symbol (Megatron's --num-layers for the pattern)."""
+        return sum(1 + (layer.mlp is not None) for layer in self.layers)
 
 
 def _layers(text: str) -> tuple[Layer, ...]:
-    """The layers of a pattern without `|` or `/`: each mixer with the MLP after it."""
+    """The layers of a pattern without `|` or `/`: each mixer with the MLP after it, or alone where it may be."""
     for symbol in text:
         if symbol in NOT_BUILT:
             raise LayerPatternError(f"{symbol} ({NOT_BUILT[symbol]}) layers are not built by this version")
         if symbol not in MIXERS and symbol not in MLPS:
-            raise LayerPatternError(f"{symbol!r} is not a layer symbol; use * + G (mixers), - E (MLPs), | and /")
-    layers = []
-    for start in range(0, len(text), 2):
-        pair = text[start:start + 2]
-        if len(pair) < 2 or pair[0] not in MIXERS or pair[1] not in MLPS:
+            raise LayerPatternError(f"{symbol!r} is not a layer symbol; use * + G M (mixers), - E (MLPs), | and /")
+    layers, start = [], 0
+    while start < len(text):
+        mixer, mlp = text[start], text[start + 1:start + 2] or None
+        if mixer in MIXERS and mlp in MLPS:
+            layers.append(Layer(mixer, mlp))
+            start += 2
+        elif mixer in ALONE:
+            layers.append(Layer(mixer, None))
+            start += 1
+        else:
             raise LayerPatternError(f"at symbol {start + 1} of {text!r}: each mixer (* + G) must be followed by its "
-                                    f"MLP (- E); this version builds no layer of one without the other")
-        layers.append(Layer(pair[0], pair[1]))
+                                    f"MLP (- E); this version builds no layer of one without the other but M alone")
     return tuple(layers)
 
 
@@ -100,7 +107,7 @@ def parse_hybrid_layer_pattern(text: str) -> HybridPattern:
     last = segments[-1][-1]
     if any(depth != last for depth in parsed_depths):
         raise LayerPatternError(f"each multi-token prediction depth is of the last decoder layer's kind here "
-                                f"({''.join(last)})")
+                                f"({last.mixer}{last.mlp or ''})")
     return HybridPattern(segments, tuple(parsed_depths))
 
 

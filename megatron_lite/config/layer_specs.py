@@ -1,11 +1,13 @@
 """What each layer of the network is, read once from whichever flags describe the stack (--hybrid-layer-pattern
-sets the per-layer flags it stands for, config/hybrid_layer_pattern.py): its token mixer, its MLP and its softmax
-attention's window. The model builds each layer from its spec (model/kinds/)."""
+sets the per-layer flags it stands for, config/hybrid_layer_pattern.py, and alone says which layers are Mamba-2's,
+which no other flag describes): its token mixer, its MLP (or none) and its softmax attention's window. The model
+builds each layer from its spec (model/kinds/)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from megatron_lite.config.hybrid_layer_pattern import parse_hybrid_layer_pattern
 from megatron_lite.config.layer_pattern import (
     linear_attention_pattern,
     moe_layer_pattern,
@@ -13,13 +15,13 @@ from megatron_lite.config.layer_pattern import (
 )
 from megatron_lite.config.sections import ModelConfig
 
-ATTENTION, LATENT_ATTENTION, GATED_DELTA_NET = "attention", "multi-latent attention", "Gated DeltaNet"
-DENSE, MOE = "dense", "MoE"
+ATTENTION, LATENT_ATTENTION, GATED_DELTA_NET, MAMBA = "attention", "multi-latent attention", "Gated DeltaNet", "Mamba-2"
+DENSE, MOE, NO_MLP = "dense", "MoE", "none"
 
 
 class LayerSpec(NamedTuple):
-    mixer: str  # ATTENTION, LATENT_ATTENTION or GATED_DELTA_NET
-    mlp: str  # DENSE or MOE
+    mixer: str  # ATTENTION, LATENT_ATTENTION, GATED_DELTA_NET or MAMBA
+    mlp: str  # DENSE, MOE or NO_MLP (a Mamba-2 mixer alone)
     window: int | None = None  # keys before the query that softmax attention sees; None: all
 
     @property
@@ -31,10 +33,15 @@ class LayerSpec(NamedTuple):
 def layer_specs(config: ModelConfig) -> list[LayerSpec]:
     """The spec of every decoder layer."""
     softmax = LATENT_ATTENTION if config.multi_latent_attention else ATTENTION
-    return [LayerSpec(GATED_DELTA_NET if linear else softmax, MOE if moe else DENSE,
-                      config.window_size[0] if windowed and not linear else None)
-            for linear, moe, windowed in zip(linear_attention_pattern(config), moe_layer_pattern(config),
-                                             window_attention_pattern(config))]
+    specs = [LayerSpec(GATED_DELTA_NET if linear else softmax, MOE if moe else DENSE,
+                       config.window_size[0] if windowed and not linear else None)
+             for linear, moe, windowed in zip(linear_attention_pattern(config), moe_layer_pattern(config),
+                                              window_attention_pattern(config))]
+    if config.hybrid_layer_pattern is not None and "M" in config.hybrid_layer_pattern:
+        layers = parse_hybrid_layer_pattern(config.hybrid_layer_pattern).layers
+        specs = [LayerSpec(MAMBA, spec.mlp if layer.mlp else NO_MLP) if layer.mixer == "M" else spec
+                 for spec, layer in zip(specs, layers, strict=True)]
+    return specs
 
 
 def numbered_layer_specs(config: ModelConfig) -> list[LayerSpec]:

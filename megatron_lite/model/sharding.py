@@ -28,7 +28,10 @@ class ShardSpec:
     tp_dim         dimension split across TP ranks (None: replicated on every TP rank)
     tp_chunks      a fused tensor made of `tp_chunks` equal parts along tp_dim (SwiGLU's [gate; up]) is
                    split part by part, so each rank holds [gate_r; up_r]
-    init           "normal" (std), "scaled_normal" (std / sqrt(2 * num_layers)), "ones" or "zeros"
+    init           "normal" (std), "scaled_normal" (std / sqrt(2 * num_layers)), "ones", "zeros", or Mamba-2's
+                   per-head vectors: "log_arange" (element i is log(i + 1): A_log for A = 1 .. heads) and
+                   "mamba_dt" (the inverse softplus of steps log-spaced from 0.001 to 0.1 over the heads: dt_bias,
+                   Megatron's range, spread evenly rather than drawn)
     sequence_parallel  replicated across TP but each rank's gradient is a partial sum, so it is summed over TP:
                    norms and biases after a row-parallel layer fed a sequence slice under sequence
                    parallelism, and the q/k norms of --qk-layernorm, which see only the rank's heads
@@ -181,6 +184,15 @@ def _initialize(out: torch.Tensor, spec: ShardSpec, global_name: str, seed: int,
                 tp_rank: int, tp_size: int) -> None:
     if spec.init in ("ones", "zeros"):
         out.fill_(1.0 if spec.init == "ones" else 0.0)
+        return
+    if spec.init in ("log_arange", "mamba_dt"):
+        start = tp_rank * out.shape[0] if spec.tp_dim == 0 else 0
+        index = torch.arange(start, start + out.shape[0], dtype=torch.float64)
+        if spec.init == "log_arange":
+            out.copy_((index + 1).log())
+        else:
+            dt = torch.exp(math.log(1e-3) + (math.log(0.1) - math.log(1e-3)) * index / max(spec.global_shape[0] - 1, 1))
+            out.copy_(dt + torch.log(-torch.expm1(-dt)))
         return
     scale = std if spec.init == "normal" else std / math.sqrt(2.0 * num_layers)
     draw_normal_shard(out, spec, global_name, seed, scale, tp_rank, tp_size)

@@ -89,8 +89,9 @@ class TransformerLayer(torch.nn.Module):
                            FP8Recipe.for_layer(config, layer_number))
         self.input_layernorm = Norm(config, sequence_parallel)
         self.self_attention = MIXERS[spec.mixer].build(config, pstate, layer_number, spec, parts)
-        self.pre_mlp_layernorm = Norm(config, sequence_parallel)
-        self.mlp = MLPS[spec.mlp].build(config, pstate, layer_number, spec, parts)
+        mlp = MLPS[spec.mlp]
+        self.pre_mlp_layernorm = Norm(config, sequence_parallel) if mlp.normed else None
+        self.mlp = mlp.build(config, pstate, layer_number, spec, parts)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
         self.compiled_residual_blocks = (torch.compile(self.residual_blocks, options={"fallback_random": True})
                                          if config.torch_compile else None)
@@ -103,6 +104,8 @@ class TransformerLayer(torch.nn.Module):
 
     def residual_blocks(self, x: torch.Tensor, rotary, kv_cache=None) -> torch.Tensor:
         x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary, kv_cache))
+        if self.mlp is None:  # a mixer alone (a Mamba-2 layer of Nemotron-H)
+            return x
         return x + self.dropout(self._mlp(self.pre_mlp_layernorm(x)))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:

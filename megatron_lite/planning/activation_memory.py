@@ -81,11 +81,12 @@ _DENSE_SOFTMAX = LayerSpec(ATTENTION, DENSE)
 
 def layer_bytes(config: Config, spec: LayerSpec = _DENSE_SOFTMAX) -> int:
     """Bytes one micro-batch saves in one transformer layer of `spec` without recomputation: its mixer's input,
-    its mixer's and MLP's bytes by their kinds (model/kinds/), and its two norms."""
+    its mixer's and MLP's bytes by their kinds (model/kinds/), and its norms (one where the mixer is alone)."""
     e = param_bytes(config)
     tokens, stream = micro_batch_tokens(config)
+    mlp = MLPS[spec.mlp]
     return (tokens * e * config.model.hidden_size + MIXERS[spec.mixer].saved_bytes(config, spec)
-            + MLPS[spec.mlp].saved_bytes(config, spec) + stream * 2 * norm_bytes(config, e))
+            + mlp.saved_bytes(config, spec) + stream * (1 + mlp.normed) * norm_bytes(config, e))
 
 
 def layer_keys(config: Config) -> list[LayerSpec]:

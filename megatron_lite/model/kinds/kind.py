@@ -22,3 +22,4 @@ class Kind(NamedTuple):
     build: Callable  # (model config, parallel state, global layer number, LayerSpec, LayerParts) -> module
     flops: Callable  # (model config, LayerSpec) -> forward FLOPs per token (model/flops.py sums them)
     saved_bytes: Callable  # (config, LayerSpec) -> bytes one micro-batch saves for backward on one rank
+    normed: bool = True  # the layer gives it a pre-norm and a residual (an absent MLP has neither)

@@ -43,6 +43,7 @@ from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.context_parallel import heads_to_sequence, sequence_to_heads
 from megatron_lite.model.linear_attention.delta_rule import CHUNK_SIZE, chunk_gated_delta_rule
 from megatron_lite.model.sharding import ShardSpec, new_parameter
+from megatron_lite.model.short_convolution import causal_depthwise_conv, continued_depthwise_conv, document_starts
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.state import ParallelState
 
@@ -51,29 +52,6 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps) over the last dimension, in fp32 (flash-linear-attention's l2norm)."""
     x = x.float()
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def document_starts(ids: torch.Tensor) -> torch.Tensor:
-    """[b, s] document ids -> [b, s] bool, True at each token that starts a document after the first."""
-    starts = torch.zeros_like(ids, dtype=torch.bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    return starts
-
-
-def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """x [s, b, c] convolved along s with weight [c, 1, kernel] (a depthwise Conv1d's), each channel on its own,
-    position t reading t - kernel + 1 .. t (weight[..., -1] on t itself); taps that reach into an earlier document
-    (ids [b, s]) or before the sequence read zero."""
-    kernel = weight.shape[-1]
-    weight = weight.squeeze(1)
-    out = x * weight[:, -1]
-    for shift in range(1, kernel):
-        earlier = F.pad(x[:-shift], (0, 0, 0, 0, shift, 0))  # earlier[t] = x[t - shift]
-        if ids is not None:
-            same = F.pad(ids[:, shift:] == ids[:, :-shift], (shift, 0)).t().unsqueeze(-1)  # [s, b, 1]
-            earlier = earlier * same
-        out = out + earlier * weight[:, kernel - 1 - shift]
-    return out
 
 
 def _rule_output(q, k, v, g, beta, scale: float, resets, chunk_size: int) -> torch.Tensor:
@@ -135,7 +113,7 @@ class GatedDeltaNet(torch.nn.Module):
         if recurrent_state is None:
             qkv = causal_depthwise_conv(qkv, conv_weight, ids)
         else:
-            qkv = self._continued_conv(qkv, recurrent_state)
+            qkv = continued_depthwise_conv(qkv, self.conv1d_weight, recurrent_state)
         qkv = F.silu(qkv)
         q, k, v = qkv.view(s, b, self.key_heads, -1).split(self.split_sizes[:3], dim=-1)
         q = l2_normalize(q).repeat_interleave(self.values_per_key, dim=2)  # [s, b, value heads, dk]
@@ -169,14 +147,3 @@ class GatedDeltaNet(torch.nn.Module):
         return (self.conv1d_weight[self.cp_rank * channels:(self.cp_rank + 1) * channels],
                 self.A_log[self.cp_rank * heads:(self.cp_rank + 1) * heads],
                 self.dt_bias[self.cp_rank * heads:(self.cp_rank + 1) * heads])
-
-    def _continued_conv(self, qkv: torch.Tensor, recurrent_state) -> torch.Tensor:
-        """The convolution of new tokens [s, b, c] after the earlier ones, whose last kernel - 1 inputs the state
-        holds (zeros before the first token); the state then holds the new last inputs."""
-        kernel = self.conv1d_weight.shape[-1]
-        earlier = recurrent_state.conv_inputs
-        if earlier is None:
-            earlier = qkv.new_zeros(kernel - 1, *qkv.shape[1:])
-        inputs = torch.cat([earlier, qkv])
-        recurrent_state.conv_inputs = inputs[inputs.shape[0] - (kernel - 1):]
-        return causal_depthwise_conv(inputs, self.conv1d_weight, None)[kernel - 1:]

@@ -1,0 +1,43 @@
+"""The model flags of Mamba-2 layers (the `M` of --hybrid-layer-pattern; Nemotron-H, Nemotron 3): a section of
+ModelConfig kept in a file of its own, with Megatron-Core's names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class MambaConfig:
+    mamba_state_dim: int = 128
+    """with M layers in --hybrid-layer-pattern: the state size of each Mamba-2 head (d_state)"""
+    mamba_head_dim: int = 64
+    """with M layers: the channels of each Mamba-2 head"""
+    mamba_num_groups: int = 8
+    """with M layers: groups of Mamba-2 heads, each sharing one B and one C (tensor parallelism splits them)"""
+    mamba_num_heads: int | None = None
+    """with M layers: Mamba-2 heads per layer, a multiple of --mamba-num-groups; default: 2 x hidden-size /
+    mamba-head-dim"""
+
+
+def mamba_problems(config) -> list[str]:
+    """One line per problem with the Mamba-2 sizes at this layout, where the pattern has M layers."""
+    m, p = config.model, config.parallel
+    if "M" not in (m.hybrid_layer_pattern or ""):
+        return []
+    if m.mamba_num_heads is None and (2 * m.hidden_size) % m.mamba_head_dim:
+        return [f"2 x hidden-size ({2 * m.hidden_size}) must be divisible by mamba-head-dim ({m.mamba_head_dim}) "
+                f"for the default Mamba-2 heads; or give --mamba-num-heads"]
+    heads = m.mamba_num_heads or 2 * m.hidden_size // m.mamba_head_dim
+    groups, tp = m.mamba_num_groups, p.tensor_model_parallel_size
+    problems = []
+    if heads % groups:
+        problems.append(f"mamba-num-heads ({heads}) must be a multiple of mamba-num-groups ({groups}): each group "
+                        f"of heads shares one B and one C")
+    if groups % tp:
+        problems.append(f"tensor-model-parallel-size ({tp}) must divide mamba-num-groups ({groups}): tensor "
+                        f"parallelism splits the Mamba-2 groups")
+    if p.context_parallel_size > 1:
+        problems.append("context parallelism is not built for Mamba-2 layers (M) yet; use --context-parallel-size 1")
+    if m.fp8_format is not None:
+        problems.append("--fp8-format does not apply to Mamba-2 layers (M) yet; drop it or the M layers")
+    return problems

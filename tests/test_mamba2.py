@@ -1,0 +1,147 @@
+"""Mamba-2 (the M of --hybrid-layer-pattern): the chunked scan equals the recurrence it stands for, the mixer equals
+transformers' Nemotron-H mixer, and the model's FLOPs and saved bytes are what torch counts and autograd keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.config.arguments import make_config
+from megatron_lite.model.mamba.mixer import Mamba2Mixer
+from megatron_lite.model.mamba.ssd import ssd_chunked, ssd_recurrent
+from megatron_lite.parallel.state import ParallelState
+from tests.helpers import TINY_2_LAYERS, saved_bytes_per_token
+from tests.tolerances import assert_close_relative
+
+# 4 heads of 8 in 2 groups, state 16
+MAMBA = {"mamba_head_dim": 8, "mamba_num_heads": 4, "mamba_num_groups": 2, "mamba_state_dim": 16}
+
+
+def _scan_inputs(dtype: torch.dtype, b=2, s=37, heads=4, p=8, groups=2, n=16):
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    inputs = {"x": draw(b, s, heads, p).to(dtype), "dt": F.softplus(draw(b, s, heads)).to(dtype),
+              "A": -torch.rand(heads, generator=generator) - 0.5, "B": draw(b, s, groups, n).to(dtype),
+              "C": draw(b, s, groups, n).to(dtype), "D": draw(heads)}
+    return {name: t.requires_grad_() for name, t in inputs.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_the_chunked_scan_equals_the_recurrence_forward_and_backward(dtype, with_documents):
+    """37 tokens in chunks of 16 (the last one short), documents starting at tokens 5 and 20 (first sequence) and 16
+    (second, a chunk boundary), and a state entering the first token."""
+    inputs = _scan_inputs(dtype)
+    resets = torch.zeros(2, 37, dtype=torch.bool)
+    if with_documents:
+        resets[0, 5] = resets[0, 20] = resets[1, 16] = True
+    entering = torch.randn(2, 4, 8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    results = []
+    for scan in (lambda **kw: ssd_chunked(**kw, chunk_size=16), ssd_recurrent):
+        y, state = scan(**inputs, resets=resets if with_documents else None, initial_state=entering)
+        weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+        grads = torch.autograd.grad((y.float() * weights).sum() + state.sum(), [*inputs.values(), entering])
+        results.append((y.float(), state, grads))
+    (y, state, grads), (y_ref, state_ref, grads_ref) = results
+    rel = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding, the same in both
+    assert_close_relative(y, y_ref, rel=rel, msg="output")
+    assert_close_relative(state, state_ref, rel=1e-5, msg="final state")
+    for name, grad, grad_ref in zip([*inputs, "entering state"], grads, grads_ref, strict=True):
+        assert_close_relative(grad.float(), grad_ref.float(), rel=max(rel, 1e-5), msg=name)
+
+
+def test_a_document_start_hides_every_earlier_token():
+    """The second document's outputs are those of the second document scanned alone."""
+    inputs = {name: t.detach() for name, t in _scan_inputs(torch.float32).items()}
+    resets = torch.zeros(2, 37, dtype=torch.bool)
+    resets[:, 20] = True
+    y, _ = ssd_chunked(**inputs, resets=resets, chunk_size=16)
+    alone = {name: t[:, 20:] if t.dim() > 1 else t for name, t in inputs.items()}
+    y_alone, _ = ssd_chunked(**alone, chunk_size=16)
+    assert_close_relative(y[:, 20:], y_alone, rel=1e-5)
+
+
+def _hf_mixer(seq_chunk: int):
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    hf = NemotronHConfig(hidden_size=32, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=16,
+                         chunk_size=seq_chunk, hybrid_override_pattern="M", layer_norm_epsilon=1e-5)
+    torch.manual_seed(3)
+    mixer = NemotronHMamba2Mixer(hf, layer_idx=0)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape) * 0.3)
+        mixer.A_log.copy_(torch.rand(4).log())
+        mixer.dt_bias.copy_(torch.randn(4) - 1)
+    return mixer
+
+
+def _per_group(rows: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """Hugging Face's parts [z, x, B, C, dt] (each for all groups, in group order) -> ours: every part of group 0,
+    then of group 1, ..."""
+    return torch.cat([part for g in range(groups) for part in (r.chunk(groups)[g] for r in rows)])
+
+
+def test_the_mixer_equals_transformers_nemotron_h_mixer():
+    """150 tokens (two chunks of 128, the second short); Hugging Face's weights laid out per group."""
+    hf = _hf_mixer(128)
+    config = make_config({**TINY_2_LAYERS, **MAMBA, "hidden_size": 32, "num_layers": None,
+                          "hybrid_layer_pattern": "M-M-", "seq_length": 150, "max_position_embeddings": 150,
+                          "norm_epsilon": 1e-5})
+    ours = Mamba2Mixer(config.model, ParallelState.single(), sequence_parallel=False)
+    inner, states = 32, 2 * 16  # the channels of z or x, and of B or C: every group's
+    with torch.no_grad():
+        z, x, B, C, dt = hf.in_proj.weight.split([inner, inner, states, states, 4])
+        ours.in_proj.weight.copy_(_per_group([z, x, B, C, dt], 2))
+        for hf_conv, our_conv in ((hf.conv1d.weight, ours.conv1d_weight), (hf.conv1d.bias, ours.conv1d_bias)):
+            x, B, C = hf_conv.split([inner, states, states])
+            our_conv.copy_(_per_group([x, B, C], 2))
+        for name in ("A_log", "D", "dt_bias"):
+            getattr(ours, name).copy_(getattr(hf, name))
+        ours.norm_weight.copy_(hf.norm.weight)
+        ours.out_proj.weight.copy_(hf.out_proj.weight)
+    hidden = torch.randn(2, 150, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = hf(hidden)
+        actual = ours(hidden.transpose(0, 1)).transpose(0, 1)
+    assert_close_relative(actual, expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_the_planned_mamba_bytes_per_token_are_what_autograd_saves(bf16, recompute):
+    """Two sequence lengths cancel what does not grow with it; the mixer's input (the norm's output, counted with
+    the layer) and the parameters are left out."""
+    from megatron_lite.model.kinds.mamba import mamba_bytes
+
+    config = make_config({**TINY_2_LAYERS, **MAMBA, "num_layers": None, "hybrid_layer_pattern": "M-", "bf16": bf16,
+                          "recompute_granularity": recompute})
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    layer = Mamba2Mixer(config.model, ParallelState.single(), sequence_parallel=False).to(dtype)
+    assert saved_bytes_per_token(layer, config.model.hidden_size, dtype) == mamba_bytes(config)
+
+
+@pytest.mark.parametrize("seq_length", [32, 150], ids=["one_partial_chunk", "two_chunks"])
+def test_model_flops_are_the_matmuls_torch_counts_in_a_forward(seq_length):
+    """The forward's matrix products as torch's FLOP counter sees them (the model FLOPs are three forwards) in a
+    Nemotron-H-like stack, M- M *-: the chunked scan's products over the padded chunks, the projections, the MLPs
+    and the head; the softmax layer's attention square (SDPA's kernel, which the counter does not see) added from
+    its definition, 2 x 2 x s x heads x head_dim."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_lite.model.flops import training_flops_per_token
+    from megatron_lite.model.gpt import GPTModel
+
+    m = make_config({**TINY_2_LAYERS, **MAMBA, "num_layers": None, "hybrid_layer_pattern": "M-M*-",
+                     "seq_length": seq_length, "max_position_embeddings": seq_length}).model
+    model = GPTModel(m, ParallelState.single(), padded_vocab=m.vocab_size, seed=1)
+    ids = torch.randint(0, m.vocab_size, (2, seq_length))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(ids, torch.arange(seq_length), labels=ids)
+    counted = counter.get_total_flops() / (2 * seq_length) + 4 * seq_length * m.num_attention_heads * m.head_dim
+    assert training_flops_per_token(m) / 3 == pytest.approx(counted, rel=1e-12)
