@@ -142,6 +142,17 @@ def assert_run_matches(parallel_results: list, reference_result, rel: float = 1e
     assert_tensors_match(join_shards([r[2] for r in parallel_results]), join_shards([ref_grads]), tensor_rel)
 
 
+def assert_layouts_match(per_rank: list, layouts, expected, serial_losses_and_norms: list) -> None:
+    """Each rank's (runs by layout name, ZeRO-3 run's losses and norms): every layout's run matches the single-device
+    run `expected` (assert_run_matches, tensors to 1e-4); the ZeRO-3 run's (loss, grad norm) of every step, whose
+    parameters live sharded, equal the serial ones."""
+    for name in layouts:
+        assert_run_matches([runs[name] for runs, _ in per_rank], expected, rel=1e-5, tensor_rel=1e-4)
+    for _, zero3 in per_rank:
+        for (loss, norm), (ref_loss, ref_norm) in zip(zero3, serial_losses_and_norms, strict=True):
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss) and abs(norm - ref_norm) <= 1e-5 * abs(ref_norm)
+
+
 _REFERENCES: dict = {}
 
 

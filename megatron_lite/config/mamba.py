@@ -36,8 +36,11 @@ def mamba_problems(config) -> list[str]:
     if groups % tp:
         problems.append(f"tensor-model-parallel-size ({tp}) must divide mamba-num-groups ({groups}): tensor "
                         f"parallelism splits the Mamba-2 groups")
-    if p.context_parallel_size > 1:
-        problems.append("context parallelism is not built for Mamba-2 layers (M) yet; use --context-parallel-size 1")
+    cp = p.context_parallel_size
+    if cp > 1 and not groups % tp and (groups // tp) % cp:
+        problems.append(f"context-parallel-size ({cp}) must divide the Mamba-2 groups of each tensor-parallel rank "
+                        f"(mamba-num-groups {groups} / tensor-model-parallel-size {tp}): context parallelism splits "
+                        f"them")
     if m.fp8_format is not None:
         problems.append("--fp8-format does not apply to Mamba-2 layers (M) yet; drop it or the M layers")
     return problems
