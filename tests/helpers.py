@@ -12,6 +12,7 @@ import io
 import os
 import re
 
+import pytest
 import torch
 
 import pretrain_gpt
@@ -151,6 +152,25 @@ def assert_layouts_match(per_rank: list, layouts, expected, serial_losses_and_no
     for _, zero3 in per_rank:
         for (loss, norm), (ref_loss, ref_norm) in zip(zero3, serial_losses_and_norms, strict=True):
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss) and abs(norm - ref_norm) <= 1e-5 * abs(ref_norm)
+
+
+def train_losses(values: dict, world_size: int) -> list[float]:
+    """lm loss of every step of pretrain() (with pretrain_gpt's model and step)."""
+    history = pretrain(make_config(values, world_size), pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+    return [h["lm_loss"] for h in history]
+
+
+def assert_resumes_bitwise_and_reshards(values: dict, root, layout: dict) -> None:
+    """Saved after 2 of the run's steps: resumed in the same layout (one process) the losses are the uninterrupted
+    run's bit for bit; saved in `layout` on 2 ranks and resumed on one, to float rounding."""
+    from tests.harness import run_on_ranks
+
+    uninterrupted = train_losses(values, 1)
+    assert train_losses({**values, "save": str(root / "one"), "exit_interval": 2}, 1) == uninterrupted[:2]
+    assert train_losses({**values, "load": str(root / "one")}, 1) == uninterrupted[2:]
+    saved = run_on_ranks(2, train_losses, {**values, **layout, "save": str(root / "two"), "exit_interval": 2}, 2)
+    assert saved[0] == pytest.approx(uninterrupted[:2], rel=1e-5)
+    assert train_losses({**values, "load": str(root / "two")}, 1) == pytest.approx(uninterrupted[2:], rel=1e-5)
 
 
 _REFERENCES: dict = {}

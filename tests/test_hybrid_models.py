@@ -17,6 +17,7 @@ from tests.harness import run_on_ranks
 from tests.helpers import (
     TINY_2_LAYERS,
     assert_layouts_match,
+    assert_resumes_bitwise_and_reshards,
     assert_run_matches,
     losses_and_norms,
     reference,
@@ -91,11 +92,14 @@ def test_linear_attention_flags_without_the_variant_are_refused():
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-@pytest.mark.parametrize("variant", ["hybrid", "output_gate_and_sinks"])
+@pytest.mark.parametrize("variant", ["hybrid", "output_gate_and_sinks", "mamba"])
 def test_the_planner_counts_the_parameters_each_rank_builds(tp, pp, variant):
     """Parameter shapes in module order, per rank: the planner's ZeRO buckets and memory report rest on them. (A
     model built for TP rank 0 alone, with no process group: shapes are what the layout gives every rank.) The
-    second model has Qwen3-Next's gated softmax attention and gpt-oss's learned sinks."""
+    second model has Qwen3-Next's gated softmax attention and gpt-oss's learned sinks, the third Mamba-2 layers
+    with and without an MLP."""
+    from tests.test_mamba2_parallel import HYBRID as MAMBA_HYBRID
+
     import torch
 
     import pretrain_gpt
@@ -103,7 +107,8 @@ def test_the_planner_counts_the_parameters_each_rank_builds(tp, pp, variant):
     from megatron_lite.parallel.state import Layout, ParallelState
     from megatron_lite.planning.state_memory import chunk_params
 
-    values = HYBRID if variant == "hybrid" else {**GPT_OSS_LIKE, "attention_output_gate": True}
+    values = {"hybrid": HYBRID, "output_gate_and_sinks": {**GPT_OSS_LIKE, "attention_output_gate": True},
+              "mamba": {**MAMBA_HYBRID, "hybrid_layer_pattern": "M-*-M-M"}}[variant]
     config = make_config({**values, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}, tp * pp)
     for pp_rank in range(pp):
         (plan,) = model_chunk_plans(config, pp_rank)
@@ -111,7 +116,8 @@ def test_the_planner_counts_the_parameters_each_rank_builds(tp, pp, variant):
         model = pretrain_gpt.model_provider(config, pstate, plan, torch.device("cpu"))
         assert [shape.numel for shape in chunk_params(config, plan)] == [p.numel() for p in model.parameters()]
         first_layer = model.decoder.layers[0].self_attention
-        assert type(first_layer).__name__ == ("GatedDeltaNet" if values is HYBRID else "SelfAttention")
+        kinds = {"hybrid": "GatedDeltaNet", "output_gate_and_sinks": "SelfAttention", "mamba": "Mamba2Mixer"}
+        assert type(first_layer).__name__ == kinds[variant]
 
 
 @pytest.mark.parametrize("seq_length", [32, 100], ids=["one_partial_chunk", "two_chunks"])
@@ -148,26 +154,9 @@ def test_a_hybrid_moe_model_trains_as_one_process_with_experts_folded_over_ep2_b
     assert_run_matches(run_on_ranks(4, _train_folded), reference(HYBRID_MOE), rel=1e-5, tensor_rel=1e-4)
 
 
-def _train(values: dict, world_size: int) -> list[float]:
-    import pretrain_gpt
-    from megatron_lite.training.loop import pretrain
-
-    return [h["lm_loss"] for h in pretrain(make_config({**HYBRID, **values}, world_size), pretrain_gpt.model_provider,
-                                           pretrain_gpt.forward_step)]
-
-
-def _save_at_tp2(root: str) -> list[float]:
-    return _train({"tensor_model_parallel_size": 2, "save": root, "exit_interval": 2}, 2)
-
-
 def test_a_hybrid_checkpoint_resumes_bitwise_and_reshards_from_tp2_to_one_rank(tmp_path):
-    """Saved after 2 of 4 steps: resumed in the same layout the losses are the uninterrupted run's bit for bit;
-    saved at TP2 (linear heads and convolution channels split) and resumed on one rank, to float rounding."""
-    uninterrupted = _train({}, 1)
-    assert _train({"save": str(tmp_path / "one"), "exit_interval": 2}, 1) == uninterrupted[:2]
-    assert _train({"load": str(tmp_path / "one")}, 1) == uninterrupted[2:]
-    assert run_on_ranks(2, _save_at_tp2, str(tmp_path / "tp2"))[0] == pytest.approx(uninterrupted[:2], rel=1e-5)
-    assert _train({"load": str(tmp_path / "tp2")}, 1) == pytest.approx(uninterrupted[2:], rel=1e-5)
+    """Saved at TP2, the linear heads and convolution channels are split."""
+    assert_resumes_bitwise_and_reshards(HYBRID, tmp_path, {"tensor_model_parallel_size": 2})
 
 
 def test_a_hybrid_model_trains_in_bf16_as_in_fp32_to_bf16_rounding():

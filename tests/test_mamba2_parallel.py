@@ -8,6 +8,7 @@ from tests.harness import run_on_ranks
 from tests.helpers import (
     TINY_2_LAYERS,
     assert_layouts_match,
+    assert_resumes_bitwise_and_reshards,
     assert_run_matches,
     losses_and_norms,
     reference,
@@ -51,3 +52,8 @@ def _train_folded() -> tuple:
 
 def test_a_mamba_moe_hybrid_trains_as_one_process_with_experts_folded_over_ep2_beside_tp2():
     assert_run_matches(run_on_ranks(4, _train_folded), reference(HYBRID_MOE), rel=1e-5, tensor_rel=1e-4)
+
+
+def test_a_mamba_hybrid_checkpoint_resumes_bitwise_and_reshards_from_tp2_to_one_rank(tmp_path):
+    """Saved at TP2, the Mamba-2 groups (their projection rows, convolution channels and heads) are split."""
+    assert_resumes_bitwise_and_reshards(HYBRID, tmp_path, {"tensor_model_parallel_size": 2})
