@@ -145,3 +145,16 @@ def test_model_flops_are_the_matmuls_torch_counts_in_a_forward(seq_length):
         model(ids, torch.arange(seq_length), labels=ids)
     counted = counter.get_total_flops() / (2 * seq_length) + 4 * seq_length * m.num_attention_heads * m.head_dim
     assert training_flops_per_token(m) / 3 == pytest.approx(counted, rel=1e-12)
+
+
+def test_cached_decoding_equals_the_full_forward():
+    """The Mamba-2 layers' recurrent state (the scan's state and the convolution's last inputs) beside the
+    attention layer's KV cache: a prompt, then 3 tokens at once, then one at a time."""
+    from megatron_lite.model.gpt import GPTModel
+    from tests.helpers import HF_VOCAB
+    from tests.test_generation import assert_cached_decoding_equals_full_forward
+
+    m = make_config({**TINY_2_LAYERS, **MAMBA, "num_layers": None, "hybrid_layer_pattern": "M-M*-",
+                     "vocab_size": HF_VOCAB}).model
+    model = GPTModel(m, ParallelState.single(), padded_vocab=m.vocab_size, seed=1).eval()
+    assert_cached_decoding_equals_full_forward(model)
