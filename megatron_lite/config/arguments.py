@@ -35,7 +35,7 @@ _CHOICES = {
     "softmax_type": ["vanilla", "learnable", "off-by-one"],
     "fault_tolerance": ["torchft"],
     "normalization": ["LayerNorm", "RMSNorm"],
-    "position_embedding_type": ["learned_absolute", "rope", "yarn"],
+    "position_embedding_type": ["learned_absolute", "rope", "yarn", "none"],
     "moe_token_dispatcher_type": ["alltoall", "allgather"],
     "moe_router_score_function": ["softmax", "sigmoid"],
     "moe_router_load_balancing_type": ["aux_loss", "seq_aux_loss", "none"],

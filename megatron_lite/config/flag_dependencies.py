@@ -111,6 +111,7 @@ RULES: dict[str, tuple[Needs | AnyOf | Excludes, ...]] = {
     # model
     "num_query_groups": (needs("group_query_attention"),),
     "openai_gelu": (Excludes("swiglu"),),
+    "squared_relu": (Excludes("swiglu"), Excludes("openai_gelu")),
     "quick_geglu": (Excludes("swiglu"),),
     **{name: (needs("swiglu", "quick_geglu"),) for name in ("glu_linear_offset", "activation_func_clamp_value")},
     "rotary_base": (_ROTARY,),

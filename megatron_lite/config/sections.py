@@ -43,9 +43,12 @@ class ModelConfig(AttentionVariantsConfig, MambaConfig):
     """SwiGLU MLP (silu(x W_gate) * x W_up) instead of GELU (Llama)"""
     openai_gelu: bool = False
     """GPT-2's tanh approximation of GELU instead of the exact erf form"""
+    squared_relu: bool = False
+    """the MLP's activation relu(x)^2 instead of GELU (Nemotron-H, Nemotron 3; exclusive with --swiglu)"""
     position_embedding_type: str = "learned_absolute"
     """learned_absolute: a learned table added to the embeddings (GPT-2); rope: rotary embeddings of queries and keys
-    (Llama); yarn: rotary embeddings with YaRN's scaling (--rotary-scaling-factor and the --yarn-* flags; gpt-oss)"""
+    (Llama); yarn: rotary embeddings with YaRN's scaling (--rotary-scaling-factor and the --yarn-* flags; gpt-oss);
+    none: no position information but what the layers infer (Nemotron-H, whose Mamba-2 layers are causal)"""
     rotary_base: float = 10000.0
     """base of RoPE's frequencies (Llama 3: 500000)"""
     kv_channels: int | None = None

@@ -1,4 +1,4 @@
-"""The dense feed-forward block: fc1 (column-parallel) -> GELU or SwiGLU -> fc2 (row-parallel)."""
+"""The dense feed-forward block: fc1 (column-parallel) -> GELU, squared ReLU or SwiGLU -> fc2 (row-parallel)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ from megatron_lite.parallel.state import ParallelState
 
 
 def activation(config: ModelConfig, x: torch.Tensor) -> torch.Tensor:
-    """GELU (exact, or GPT-2's tanh form) on fc1's output, or a gated unit on its [gate; up] halves: act(gate) x
-    (up + --glu-linear-offset), act SiLU (SwiGLU) or quick GELU (--quick-geglu), the halves first clamped by
-    --activation-func-clamp-value (gate at most it, up within +-it: gpt-oss's clamped SwiGLU)."""
+    """GELU (exact, or GPT-2's tanh form) or squared ReLU (--squared-relu) on fc1's output, or a gated unit on its
+    [gate; up] halves: act(gate) x (up + --glu-linear-offset), act SiLU (SwiGLU) or quick GELU (--quick-geglu), the
+    halves first clamped by --activation-func-clamp-value (gate at most it, up within +-it: gpt-oss's clamped
+    SwiGLU)."""
+    if config.squared_relu:
+        return F.relu(x).square()
     if not config.gated_linear_unit:
         return F.gelu(x, approximate="tanh" if config.openai_gelu else "none")
     gate, up = x.chunk(2, dim=-1)
