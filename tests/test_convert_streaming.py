@@ -22,11 +22,10 @@ from megatron_lite.checkpoint import directory
 from megatron_lite.checkpoint.checkpointing import read_checkpoint_tensors
 from megatron_lite.checkpoint.planner import ShardedSavePlanner, state_dict_of
 from megatron_lite.checkpoint.sharded import ShardedTensor
-from megatron_lite.config.layer_pattern import moe_layer_pattern
-from megatron_lite.hf import safetensors_files, weights
+from megatron_lite.config.layer_specs import layer_specs
+from megatron_lite.hf import families, safetensors_files, weights
 from megatron_lite.hf.checkpoint import ModelCheckpoint, config_from_metadata, resolve_checkpoint
 from megatron_lite.hf.checkpoint_parts import PartsWriter
-from megatron_lite.hf.name_tables import NAME_TABLES
 from megatron_lite.hf.safetensors_files import HFWeights, ShardedWriter, shard_plan
 from megatron_lite.hf.safetensors_format import StreamedFile
 from tests.helpers import convert, hf_config, perturb_biases_and_norms
@@ -69,11 +68,10 @@ def model_type(mlite_dir: str) -> str:
 def reference_conversion(family: str, hf: dict[str, torch.Tensor], m) -> dict[str, torch.Tensor]:
     """Our tensors made from HF's by the name table, everything in memory: each rule of the head, of every layer
     (an MoE or a dense layer's, for each expert) and of the tail, joined by its transform."""
-    table = NAME_TABLES[family](m)
-    moe = moe_layer_pattern(m) if table.dense_layer is not None else [True] * m.num_layers
+    table = families.FAMILIES[family].name_table(m)
     expanded = [(rule, {}) for rule in table.head]
-    for layer in range(m.num_layers):
-        for rule in table.layer if moe[layer] else table.dense_layer:
+    for layer, spec in enumerate(layer_specs(m)):
+        for rule in table.layer(spec):
             experts = range(m.num_experts) if "{expert}" in rule.ours else [None]
             expanded += [(rule, {"layer": layer, "expert": expert}) for expert in experts]
     expanded += [(rule, {}) for rule in table.tail]

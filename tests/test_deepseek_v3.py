@@ -20,7 +20,7 @@ from megatron_lite.config.arguments import make_config
 from megatron_lite.config.layer_pattern import moe_layer_pattern
 from megatron_lite.config.presets import MODEL_PRESETS
 from megatron_lite.errors import ConfigError
-from megatron_lite.hf.configs import hf_config_from_model, model_values_from_hf
+from megatron_lite.hf.families import hf_config_from_model, model_values_from_hf
 from megatron_lite.hf.weights import hf_shapes
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.mlp import MLP

@@ -200,7 +200,7 @@ def test_presets_have_the_published_shapes_and_parameter_counts(preset):
     from megatron_lite.config.arguments import make_config
     from megatron_lite.config.layer_pattern import window_attention_pattern
     from megatron_lite.config.presets import MODEL_PRESETS
-    from megatron_lite.hf.configs import model_values_from_hf
+    from megatron_lite.hf.families import model_values_from_hf
     from megatron_lite.hf.weights import hf_shapes
 
     published = make_config({**model_values_from_hf(PUBLISHED[preset]), "mock_data": True, "seq_length": 4096}).model
@@ -248,7 +248,8 @@ def test_model_flops_count_the_keys_a_window_lets_a_query_see():
     ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types .* is not supported"),
 ])
 def test_gpt_oss_configs_that_cannot_be_converted_exactly_are_one_line(change, message):
-    from megatron_lite.hf.configs import ConversionError, model_values_from_hf
+    from megatron_lite.hf.configs import ConversionError
+    from megatron_lite.hf.families import model_values_from_hf
 
     with pytest.raises(ConversionError, match=message) as error:
         model_values_from_hf({**PUBLISHED["gpt-oss-20b"], "num_hidden_layers": 2, **change})
@@ -257,7 +258,8 @@ def test_gpt_oss_configs_that_cannot_be_converted_exactly_are_one_line(change, m
 
 def test_a_network_gpt_oss_cannot_hold_is_refused_on_export_in_one_line():
     from megatron_lite.config.arguments import make_config
-    from megatron_lite.hf.configs import ConversionError, family_of_model
+    from megatron_lite.hf.configs import ConversionError
+    from megatron_lite.hf.families import family_of_model
 
     m = make_config({**GPT_OSS_MOE, "softmax_type": "vanilla", "disable_bias_linear": True}).model
     with pytest.raises(ConversionError, match=r"gpt_oss \(the one with --window-size, --quick-geglu, "

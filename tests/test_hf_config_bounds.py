@@ -8,14 +8,14 @@ import torch
 
 from megatron_lite.config.arguments import make_config
 from megatron_lite.hf.config_bounds import FRACTIONS, INTEGER_MINIMUMS, NON_NEGATIVE_NUMBERS, POSITIVE_NUMBERS
-from megatron_lite.hf.configs import model_values_from_hf
-from megatron_lite.hf.llama_config import ConversionError
+from megatron_lite.hf.configs import ConversionError
+from megatron_lite.hf.families import model_values_from_hf
 
 PRESETS = ("deepseek-v3", "qwen3-next-80b-a3b", "gpt-oss-20b", "mixtral-tiny", "qwen3-30b-a3b", "gpt2-124m")
 
 
 def published(preset: str) -> dict:
-    from megatron_lite.hf.configs import hf_config_from_model
+    from megatron_lite.hf.families import hf_config_from_model
 
     return hf_config_from_model(make_config({"model_preset": preset, "mock_data": True}).model, torch.bfloat16)
 

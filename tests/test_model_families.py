@@ -10,7 +10,7 @@ import torch
 from megatron_lite.config.arguments import make_config
 from megatron_lite.config.presets import MODEL_PRESETS
 from megatron_lite.errors import ConfigError
-from megatron_lite.hf.configs import model_values_from_hf
+from megatron_lite.hf.families import model_values_from_hf
 from megatron_lite.hf.weights import hf_shapes
 from megatron_lite.model.attention.self_attention import RopeScaling, RotaryEmbedding
 from megatron_lite.parallel.state import Layout, ParallelState

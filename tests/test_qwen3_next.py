@@ -174,7 +174,7 @@ def test_presets_have_the_published_shapes_and_parameter_counts(preset):
     from megatron_lite.config.arguments import make_config
     from megatron_lite.config.layer_pattern import linear_attention_pattern, moe_layer_pattern
     from megatron_lite.config.presets import MODEL_PRESETS
-    from megatron_lite.hf.configs import model_values_from_hf
+    from megatron_lite.hf.families import model_values_from_hf
     from megatron_lite.hf.weights import hf_shapes
 
     published = make_config({**model_values_from_hf(PUBLISHED[preset]), "mock_data": True, "seq_length": 4096}).model

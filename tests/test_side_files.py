@@ -18,7 +18,8 @@ from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.errors import DataError, UserError
 from megatron_lite.files import read_json_object
-from megatron_lite.hf.configs import ConversionError, model_values_from_hf
+from megatron_lite.hf.configs import ConversionError
+from megatron_lite.hf.families import model_values_from_hf
 from megatron_lite.hf.safetensors_files import HFWeights, generation_token_ids, read_hf_config
 from megatron_lite.training.logging import WANDB_RUN_ID_FILE, wandb_run_id
 from tests.test_data_tokenizers import _hf_tokenizer_json

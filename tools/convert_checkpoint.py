@@ -66,13 +66,13 @@ def _empty_target(path: str) -> None:
 
 
 def hf_to_mlite(args) -> str:
-    from megatron_lite.hf import configs, safetensors_files, weights  # torch: once the flags are read
+    from megatron_lite.hf import families, safetensors_files, weights  # torch: once the flags are read
     from megatron_lite.hf.checkpoint import model_flags, write_model_checkpoint
     from megatron_lite.hf.configs import ConversionError
 
-    hf_config = configs.language_model_config(safetensors_files.read_hf_config(args.load_dir))
-    family = configs.family_of_hf(hf_config)
-    values = configs.model_values_from_hf(hf_config)
+    hf_config = families.language_model_config(safetensors_files.read_hf_config(args.load_dir))
+    family = families.family_of_hf(hf_config)
+    values = families.model_values_from_hf(hf_config)
     hf = safetensors_files.HFWeights(args.load_dir)
     vision = weights.vision_tower_names(hf.names)
     if vision:
@@ -131,7 +131,7 @@ def _tokenizer_folders(path: str, config) -> list[str]:
 
 
 def mlite_to_hf(args) -> str:
-    from megatron_lite.hf import configs, safetensors_files, weights  # torch: once the flags are read
+    from megatron_lite.hf import families, safetensors_files, weights  # torch: once the flags are read
     from megatron_lite.hf.checkpoint import ModelCheckpoint, config_from_metadata, resolve_checkpoint
     from megatron_lite.hf.configs import ConversionError
 
@@ -140,7 +140,7 @@ def mlite_to_hf(args) -> str:
     saved = checkpoint.saved
     config = config_from_metadata(saved)
     m = config.model
-    family = configs.family_of_model(m, saved.get("hf", {}).get("config", {}).get("model_type"))
+    family = families.family_of_model(m, saved.get("hf", {}).get("config", {}).get("model_type"))
     problems = weights.shape_problems(checkpoint.shapes(), weights.megatron_shapes(family, m), path)
     if problems:
         raise ConversionError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
@@ -161,7 +161,7 @@ def mlite_to_hf(args) -> str:
             and os.path.isfile(tokenizer_model) and "tokenizer.model" not in copied):
         shutil.copy2(tokenizer_model, os.path.join(args.save_dir, "tokenizer.model"))
         copied.append("tokenizer.model")
-    hf_config = configs.hf_config_from_model(m, next(iter(hf.values())).dtype, saved.get("hf", {}).get("config"))
+    hf_config = families.hf_config_from_model(m, next(iter(hf.values())).dtype, saved.get("hf", {}).get("config"))
     if "hf" not in saved:  # trained here: the token ids come from the carried generation defaults, if any
         hf_config.update(safetensors_files.generation_token_ids(args.save_dir))
     safetensors_files.write_hf_config(args.save_dir, hf_config)

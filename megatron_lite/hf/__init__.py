@@ -1,7 +1,11 @@
 """Hugging Face interchange: config mapping, weight mapping, safetensors files and model-only checkpoints.
 
-    configs.py            config.json <-> megatron_lite model flags (llama, qwen2, qwen3, gpt2, mixtral, qwen*_moe)
-    name_tables.py        one name table per family: which HF tensors make each of ours, and the transform
+    families/             one module per Hugging Face family (model_type): its config.json <-> megatron_lite
+                          model flags, the network it recognises and its name table; the registry in __init__.py
+    configs.py            the ConversionError every part raises, and a family's two ways to raise it
+    config_bounds.py      the types and ranges of config.json's keys, checked before any becomes a flag
+    llama_config.py       what the config.json of every Llama-derived family shares (sizes, norms, RoPE, YaRN)
+    name_tables.py        what the families' name tables share: rules, transforms, Llama's attention and names
     weights.py            HF tensors <-> global megatron_lite tensors, both directions read from the name table,
                           a layer (unit) at a time or all at once
     safetensors_format.py the safetensors format read and written a tensor at a time (no memory map)

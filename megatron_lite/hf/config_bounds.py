@@ -1,12 +1,29 @@
-"""The ranges of config.json's numeric keys, checked before any key becomes a flag: a value out of range is one
-line naming the key and the value the user wrote and what would be valid, never a message about the flag or the
-flag expression (a --moe-layer-freq list) that the conversion would have made of it."""
+"""The types and ranges of config.json's keys, every family's, checked before any key becomes a flag: a value of the
+wrong type or out of range is one line naming the key and the value the user wrote and what would be valid, never a
+message about the flag or the flag expression (a --moe-layer-freq list) that the conversion would have made of it."""
 
 from __future__ import annotations
 
+import json
 import math
 
-from megatron_lite.hf.llama_config import ConversionError
+from megatron_lite.files import is_a
+from megatron_lite.hf.configs import ConversionError
+
+# The types of the config.json keys the families read (null stands for a missing key)
+INTEGER_KEYS = ("n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers",
+                "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "head_dim",
+                "num_key_value_heads", "max_position_embeddings", "vocab_size", "num_local_experts", "num_experts",
+                "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "decoder_sparse_step", "sliding_window", "n_embd", "n_positions", "n_layer", "n_head", "n_inner",
+                "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_num_key_heads", "linear_num_value_heads")
+NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "initializer_range", "attention_dropout", "router_aux_loss_coef",
+               "layer_norm_epsilon", "resid_pdrop", "attn_pdrop", "partial_rotary_factor", "factor", "low_freq_factor",
+               "high_freq_factor", "original_max_position_embeddings", "routed_scaling_factor", "mscale",
+               "mscale_all_dim", "attention_factor", "beta_fast", "beta_slow", "swiglu_alpha", "swiglu_limit")
+OBJECT_KEYS = ("rope_parameters", "rope_scaling")
 
 # The smallest value of each integer key (null stands for a missing key and is not checked)
 INTEGER_MINIMUMS = {
@@ -71,10 +88,18 @@ def _relation_problem(hf: dict) -> str | None:
     return None
 
 
-def check_bounds(hf: dict, records: list[tuple[str, dict]]) -> None:
-    """A ConversionError naming the first key of config.json whose value is out of its range, or two keys that
-    disagree. `records` pairs each object checked (config.json and its RoPE parameters) with the words that name
-    it; their types are checked before."""
+def check_config_json(hf: dict) -> None:
+    """A ConversionError naming the first key of config.json (or of its RoPE parameters) of the wrong type, out of
+    its range, or disagreeing with another."""
+    records = [("config.json", hf)] + [(f"config.json's {key}", hf[key]) for key in OBJECT_KEYS
+                                       if isinstance(hf.get(key), dict)]
+    for where, record in records:
+        for keys, kind, name in ((INTEGER_KEYS, int, "an integer"), (NUMBER_KEYS, float, "a number"),
+                                 (OBJECT_KEYS, dict, "an object")):
+            for key in keys:
+                value = record.get(key)
+                if value is not None and not is_a(value, kind):
+                    raise ConversionError(f"{where}: '{key}' is {json.dumps(value)[:40]}, expected {name}")
     for where, record in records:
         problem = _bound_problem(record, where)
         if problem:

@@ -1,28 +1,11 @@
-"""What the config.json of every Llama-derived family shares, read and written: sizes, norms, RoPE (plain, Llama 3.1's
-scaling or YaRN), and the one-line ConversionError for what cannot be converted exactly. configs.py and the
-families' own modules build on it."""
+"""What the config.json of every Llama-derived family shares, read and written: sizes, norms and RoPE (plain, Llama
+3.1's scaling or YaRN). The families' modules (families/) build on it."""
 
 from __future__ import annotations
 
 from megatron_lite.config.sections import ModelConfig
-from megatron_lite.errors import UserError
+from megatron_lite.hf.configs import ConversionError, refuse, required
 from megatron_lite.model.attention.yarn import YarnScaling
-
-
-class ConversionError(UserError, ValueError):
-    """A checkpoint cannot be converted as asked; the message is one line saying what is wrong."""
-
-
-def required(hf: dict, key: str):
-    if hf.get(key) is None:
-        raise ConversionError(f"config.json has no '{key}' (model_type {hf.get('model_type')})")
-    return hf[key]
-
-
-def refuse(condition: bool, what: str) -> None:
-    if condition:
-        raise ConversionError(f"{what} is not supported by megatron_lite; this checkpoint cannot be converted exactly")
-
 
 # rope_type "llama3" keys -> our flags
 LLAMA3_ROPE_FLAGS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",

@@ -1,4 +1,4 @@
-"""Hugging Face tensors <-> global megatron_lite tensors, driven by the family's name table (name_tables.py).
+"""Hugging Face tensors <-> global megatron_lite tensors, driven by the family's name table (families/).
 
 Both directions work on whole (global) tensors keyed by megatron_lite's global parameter names with the
 unpadded vocabulary, which is what a checkpoint stores, so the result loads into any parallel layout.
@@ -23,7 +23,8 @@ import torch
 from megatron_lite.config.layer_specs import LayerSpec, layer_spec, layer_specs
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.hf.configs import ConversionError
-from megatron_lite.hf.name_tables import NAME_TABLES, NameTable, Rule
+from megatron_lite.hf.families import FAMILIES
+from megatron_lite.hf.name_tables import NameTable, Rule
 
 # Buffers some HF checkpoints carry that are not weights.
 _NOT_WEIGHTS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
@@ -60,7 +61,7 @@ def units(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[Unit
     a streamed conversion takes at once: each rule before and after the layers alone (a vocabulary table is
     the biggest tensor of most models), each decoder layer, each multi-token prediction module. `layers`
     wraps the loop over layer indices (a progress bar)."""
-    table = NAME_TABLES[family](m)
+    table = FAMILIES[family].name_table(m)
     specs = layer_specs(m)
 
     def expand(rules: list[Rule], values: dict) -> Unit:
@@ -70,7 +71,7 @@ def units(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[Unit
     for rule in table.head:
         yield [(rule, {})]
     for layer in layers(range(m.num_layers)):
-        yield expand(table.rules_of(specs[layer]), {"layer": layer})
+        yield expand(table.layer(specs[layer]), {"layer": layer})
     for depth in range(m.mtp_num_layers or 0):
         layer = m.num_layers + depth  # where the module is stored, and the global number of its layer
         yield expand(_mtp_rules(table, layer_spec(m, layer)), {"layer": layer, "depth": depth})
@@ -92,7 +93,7 @@ def _mtp_rules(table: NameTable, spec: LayerSpec) -> list[Rule]:
                               "--mtp-num-layers")
     inner = [dataclasses.replace(rule, ours=rule.ours.replace("decoder.layers.{layer}.",
                                                               "mtp.layers.{depth}.transformer_layer."))
-             for rule in table.rules_of(spec)]
+             for rule in table.layer(spec)]
     return table.mtp + inner
 
 
