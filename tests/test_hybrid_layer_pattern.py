@@ -29,6 +29,8 @@ PRESET_PATTERNS = {
     "qwen1.5-moe-a2.7b": "*E" * 24, "deepseek-v3": "+-" * 3 + "+E" * 58, "moonlight-16b": "+-" + "+E" * 26,
     "qwen3-next-80b-a3b": "GEGEGE*E" * 12, "qwen3.5-9b": "G-G-G-*-" * 8, "qwen3.5-35b-a3b": "GEGEGE*E" * 10,
     "gpt-oss-20b": "*E" * 24, "gpt-oss-120b": "*E" * 36, "mixtral-tiny": "*E" * 4,
+    "nemotron-h-8b": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    "nemotron-3-nano-30b-a3b": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
 }
 
 

@@ -98,14 +98,13 @@ def test_the_planner_counts_the_parameters_each_rank_builds(tp, pp, variant):
     model built for TP rank 0 alone, with no process group: shapes are what the layout gives every rank.) The
     second model has Qwen3-Next's gated softmax attention and gpt-oss's learned sinks, the third Mamba-2 layers
     with and without an MLP."""
-    from tests.test_mamba2_parallel import HYBRID as MAMBA_HYBRID
-
     import torch
 
     import pretrain_gpt
     from megatron_lite.config.layer_split import model_chunk_plans
     from megatron_lite.parallel.state import Layout, ParallelState
     from megatron_lite.planning.state_memory import chunk_params
+    from tests.test_mamba2_parallel import HYBRID as MAMBA_HYBRID
 
     values = {"hybrid": HYBRID, "output_gate_and_sinks": {**GPT_OSS_LIKE, "attention_output_gate": True},
               "mamba": {**MAMBA_HYBRID, "hybrid_layer_pattern": "M-*-M-M"}}[variant]

@@ -158,3 +158,69 @@ def test_cached_decoding_equals_the_full_forward():
                      "vocab_size": HF_VOCAB}).model
     model = GPTModel(m, ParallelState.single(), padded_vocab=m.vocab_size, seed=1).eval()
     assert_cached_decoding_equals_full_forward(model)
+
+
+# The published config.json values (Hugging Face's names) of the presets' checkpoints
+_NEMOTRON_COMMON = {"num_attention_heads": 32, "head_dim": 128, "mamba_head_dim": 64, "ssm_state_size": 128,
+                    "n_groups": 8, "conv_kernel": 4, "vocab_size": 131072, "mlp_hidden_act": "relu2",
+                    "tie_word_embeddings": False}
+PUBLISHED = {
+    "nemotron-h-8b": {**_NEMOTRON_COMMON, "hidden_size": 4096, "intermediate_size": 21504, "num_key_value_heads": 8,
+                      "mamba_num_heads": 128,
+                      "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"},
+    "nemotron-3-nano-30b-a3b": {
+        **_NEMOTRON_COMMON, "hidden_size": 2688, "intermediate_size": 1856, "num_key_value_heads": 2,
+        "mamba_num_heads": 64, "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712, "routed_scaling_factor": 2.5,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"},
+}
+
+
+def _published_parameters(hf: dict) -> tuple[int, int]:
+    """(parameters, of which routed experts') of transformers' NemotronHForCausalLM for `hf`, from its modules: one
+    RMSNorm per block; a Mamba-2 mixer's in_proj (z, x, B, C, dt), depthwise convolution with bias, dt_bias, A_log,
+    D, gated norm and out_proj; attention's q, k, v, o; an MLP's up and down; an MoE block's router, experts (up and
+    down each) and shared expert; the embedding, final norm and untied head."""
+    h, heads, groups = hf["hidden_size"], hf["mamba_num_heads"], hf["n_groups"]
+    inner, states = heads * hf["mamba_head_dim"], groups * hf["ssm_state_size"]
+    q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
+    routed = hf.get("n_routed_experts", 0)
+    experts = routed * 2 * h * hf.get("moe_intermediate_size", 0)
+    mixers = {"M": h * (2 * inner + 2 * states + heads) + (inner + 2 * states) * (hf["conv_kernel"] + 1)
+              + 3 * heads + inner + inner * h,
+              "*": h * q + 2 * h * kv + q * h, "-": 2 * h * hf["intermediate_size"],
+              "E": routed * h + experts + 2 * h * hf.get("moe_shared_expert_intermediate_size", 0)}
+    pattern = hf["hybrid_override_pattern"]
+    total = sum(h + mixers[symbol] for symbol in pattern) + 2 * hf["vocab_size"] * h + h
+    return total, experts * pattern.count("E")
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_presets_have_the_published_shapes_and_parameter_counts(preset):
+    """Nemotron-H 8B: 8,100,852,736 parameters; Nemotron 3 Nano: 31.6B, 3.2B activated without the input embedding
+    (NVIDIA's figures)."""
+    from megatron_lite.config.layer_split import model_chunk_plans
+    from megatron_lite.planning.state_memory import chunk_params
+
+    hf = PUBLISHED[preset]
+    m = make_config({"model_preset": preset, "mock_data": True}).model
+    assert (m.hybrid_layer_pattern, m.hidden_size, m.ffn_hidden_size, m.num_query_groups, m.kv_channels,
+            m.mamba_num_heads, m.mamba_head_dim, m.mamba_state_dim, m.mamba_num_groups, m.vocab_size) == (
+        hf["hybrid_override_pattern"], hf["hidden_size"], hf["intermediate_size"], hf["num_key_value_heads"],
+        hf["head_dim"], hf["mamba_num_heads"], hf["mamba_head_dim"], hf["ssm_state_size"], hf["n_groups"],
+        hf["vocab_size"])
+    assert m.squared_relu and not m.swiglu and m.position_embedding_type == "none"
+    config = make_config({"model_preset": preset, "mock_data": True})
+    shapes = chunk_params(config, model_chunk_plans(config, 0)[0])
+    total, routed = sum(s.numel for s in shapes), sum(s.numel for s in shapes if s.expert)
+    assert (total, routed) == _published_parameters(hf)
+    if preset == "nemotron-h-8b":
+        assert total == 8_100_852_736
+    else:
+        assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size,
+                m.moe_router_topk_scaling_factor) == (hf["n_routed_experts"], hf["num_experts_per_tok"],
+                                                      hf["moe_intermediate_size"],
+                                                      hf["moe_shared_expert_intermediate_size"],
+                                                      hf["routed_scaling_factor"])
+        activated = total - routed * (1 - m.moe_router_topk / m.num_experts) - m.vocab_size * m.hidden_size
+        assert round(total / 1e9, 1) == 31.6 and round(activated / 1e9, 1) == 3.2

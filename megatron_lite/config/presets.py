@@ -11,6 +11,15 @@ _LLAMA = {
     "group_query_attention": True,
 }
 
+# NVIDIA's Nemotron-H and Nemotron 3 (Megatron-Bridge's and the checkpoints' config.json): Mamba-2 layers of 64-wide
+# heads in 8 groups with a 128 state, attention of 32 heads of 128 without positional embeddings, squared-ReLU MLPs,
+# RMSNorm, no biases, untied output layer, a 131,072-token vocabulary
+_NEMOTRON = {
+    **_LLAMA, "swiglu": False, "squared_relu": True, "position_embedding_type": "none", "num_attention_heads": 32,
+    "kv_channels": 128, "mamba_head_dim": 64, "mamba_state_dim": 128, "mamba_num_groups": 8, "vocab_size": 131072,
+    "norm_epsilon": 1e-5,
+}
+
 # DeepSeek-V3's architecture: multi-latent attention (heads of 128 + 64 query-key and 128 value dimensions) with its
 # latent norms; sigmoid routing renormalized over the top k, an aux-loss-free expert bias (update rate 0.001) and
 # the per-sequence balance loss of weight 0.0001, as the paper trains it
@@ -155,6 +164,24 @@ MODEL_PRESETS: dict[str, dict] = {
     # openai/gpt-oss-120b's config.json: 36 layers of 128 experts. 116,829,156,672 parameters (published: 117B),
     # 5.71B activated, 5.13B without the input embedding (published: 5.1B).
     "gpt-oss-120b": {**_GPT_OSS, "num_layers": 36, "num_experts": 128},
+    # nvidia/Nemotron-H-8B-Base-8K: 52 sublayers, 24 Mamba-2, 4 attention (no RoPE), 24 squared-ReLU MLPs.
+    # 8,100,852,736 parameters (transformers' count of its config.json).
+    "nemotron-h-8b": {
+        **_NEMOTRON, "hybrid_layer_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "hidden_size": 4096, "ffn_hidden_size": 21504, "num_query_groups": 8, "mamba_num_heads": 128,
+        "seq_length": 8192, "max_position_embeddings": 8192,
+    },
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: 52 sublayers, 23 Mamba-2, 6 attention, 23 MoE layers of 128
+    # squared-ReLU experts (6 per token, sigmoid-routed with an expert bias) and a shared expert. Published: 31.6B
+    # parameters, 3.2B activated (3.6B with the embeddings).
+    "nemotron-3-nano-30b-a3b": {
+        **_NEMOTRON, "hybrid_layer_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "hidden_size": 2688, "ffn_hidden_size": 1856, "num_query_groups": 2, "mamba_num_heads": 64,
+        "seq_length": 8192, "max_position_embeddings": 262144, "num_experts": 128, "moe_router_topk": 6,
+        "moe_ffn_hidden_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "moe_router_topk_scaling_factor": 2.5,
+    },
     "mixtral-tiny": {
         **_LLAMA, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 256, "num_attention_heads": 4,
         "num_query_groups": 2, "seq_length": 128, "max_position_embeddings": 128, "vocab_size": 1024,
