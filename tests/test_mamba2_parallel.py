@@ -4,6 +4,8 @@ full and selective recomputation, and its MoE form with experts folded over EP2 
 
 from __future__ import annotations
 
+import pytest
+
 from tests.harness import run_on_ranks
 from tests.helpers import (
     TINY_2_LAYERS,
@@ -13,6 +15,7 @@ from tests.helpers import (
     losses_and_norms,
     reference,
     train_and_collect,
+    train_losses,
 )
 from tests.test_mamba2 import MAMBA
 
@@ -57,3 +60,23 @@ def test_a_mamba_moe_hybrid_trains_as_one_process_with_experts_folded_over_ep2_b
 def test_a_mamba_hybrid_checkpoint_resumes_bitwise_and_reshards_from_tp2_to_one_rank(tmp_path):
     """Saved at TP2, the Mamba-2 groups (their projection rows, convolution channels and heads) are split."""
     assert_resumes_bitwise_and_reshards(HYBRID, tmp_path, {"tensor_model_parallel_size": 2})
+
+
+def test_megatron_lm_checkpoints_of_mamba_hybrids_are_refused_in_one_line_both_ways(tmp_path):
+    """Megatron-Core's MambaMixer needs mamba_ssm's CUDA kernels: no CPU reference checks its tensor names, so
+    neither direction guesses them. Nothing is written."""
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.megatron_lm.arguments import flags_from_megatron
+    from tests.helpers import convert
+
+    train_losses({**HYBRID, "train_iters": 2, "save": str(tmp_path / "ckpt")}, 1)
+    with pytest.raises(SystemExit, match=r"has Mamba-2 layers or squared-ReLU MLPs .* export it with --direction "
+                                         r"mlite-to-hf instead"):
+        convert("--direction", "mlite-to-megatron", "--load-dir", str(tmp_path / "ckpt"), "--save-dir",
+                str(tmp_path / "mlm"))
+    assert not (tmp_path / "mlm").exists()
+    args = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "padded_vocab_size": 256,
+            "hybrid_override_pattern": "M-M*-"}
+    with pytest.raises(ConfigError, match=r"was trained with --hybrid-override-pattern M-M\*-, which this framework "
+                                          r"does not build"):
+        flags_from_megatron(args, "iter_0000001")

@@ -32,7 +32,8 @@ REFUSED = {
     "rotary_interleaved": False, "squared_relu": False, "apply_residual_connection_post_layernorm": False,
     "experimental_attention_variant": None, "window_size": None, "softmax_type": "vanilla",
     "attention_output_gate": False, "heterogeneous_layers_config_path": None, "qk_l2_norm": False,
-    "moe_use_legacy_grouped_gemm": False,
+    "moe_use_legacy_grouped_gemm": False, "hybrid_override_pattern": None, "hybrid_layer_pattern": None,
+    "is_hybrid_model": False,
 }
 # Features this framework builds whose Megatron-Core tensors it does not read yet: Megatron-Core's MLA has no
 # layer spec without Transformer Engine to test the conversion against (its rotary layout is unverified).

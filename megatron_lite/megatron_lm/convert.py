@@ -212,6 +212,9 @@ def _not_written_for_megatron(m) -> str | None:
         return f"{m.experimental_attention_variant} layers"
     if m.window_size is not None or m.softmax_type != "vanilla":
         return "sliding windows or attention sinks"
+    if "M" in (m.hybrid_layer_pattern or "") or m.squared_relu:
+        return "Mamba-2 layers or squared-ReLU MLPs (Megatron-Core's MambaMixer needs mamba_ssm's CUDA kernels, so " \
+               "no CPU reference checks those names)"
     return None
 
 

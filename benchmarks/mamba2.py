@@ -1,0 +1,103 @@
+"""Mamba-2 on the CPU: the chunked SSD scan against transformers' own torch implementation of it (the Nemotron-H
+reference path, `mamba2_chunk_scan`), and whole training runs of a Mamba-2 hybrid against the softmax-only model
+of the same shape.
+
+The scan: forward and backward of one [b, s, heads, 64] scan with 8 groups of state 128 in fp32 (no documents),
+ours and transformers' on the same inputs, taken in turn, the median of --repeats; their outputs are compared
+first. Training: pretrain() of the llama-tiny shape at --seq-length on mock data, once as Nemotron-H's form
+(M-M-M-*-: Mamba-2 mixers three in four, 8 heads of 32 in 2 groups of state 64, beside the attention's 4 heads of
+32) and once with softmax attention everywhere (*-*-*-*-); tokens/s from the training log's records after the
+first, and the final loss. Appends the figures with date, machine and command to benchmarks/results/mamba2.jsonl.
+
+    python -m benchmarks.mamba2 [--seq-length 1024] [--heads 8] [--repeats 5] [--iters 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.results_file import record_result
+
+MAMBA = {"mamba_num_heads": 8, "mamba_head_dim": 32, "mamba_num_groups": 2, "mamba_state_dim": 64}
+
+
+def _scan_inputs(seq_length: int, heads: int) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    inputs = {"x": torch.randn(1, seq_length, heads, 64, generator=generator),
+              "dt": F.softplus(torch.randn(1, seq_length, heads, generator=generator) - 3),
+              "A": -torch.rand(heads, generator=generator) - 0.5,
+              "B": torch.randn(1, seq_length, 8, 128, generator=generator),
+              "C": torch.randn(1, seq_length, 8, 128, generator=generator), "D": torch.ones(heads)}
+    return {name: t.requires_grad_() for name, t in inputs.items()}
+
+
+def time_scans(seq_length: int, heads: int, repeats: int) -> dict:
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    from megatron_lite.model.mamba.ssd import CHUNK_SIZE, ssd_chunked
+
+    inputs = _scan_inputs(seq_length, heads)
+    scans = {"megatron_lite": lambda x, dt, A, B, C, D: ssd_chunked(x, dt, A, B, C, D, chunk_size=CHUNK_SIZE)[0],
+             "transformers": lambda x, dt, A, B, C, D: mamba2_chunk_scan(x, dt, A, B, C, CHUNK_SIZE, D=D)}
+    with torch.no_grad():
+        ours, theirs = (scan(**inputs) for scan in scans.values())
+    difference = float((ours - theirs).abs().max() / theirs.abs().max())
+    seconds = {name: [] for name in scans}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, scan in scans.items():
+            start = time.perf_counter()
+            scan(**inputs).sum().backward()
+            seconds[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(times[1:]) for name, times in seconds.items()}
+    return {"max_relative_difference": difference, "forward_backward_s": medians,
+            "ours_over_transformers": medians["megatron_lite"] / medians["transformers"]}
+
+
+def train(values: dict, iters: int, seq_length: int) -> dict:
+    import pretrain_gpt
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.training.loop import pretrain
+
+    with tempfile.TemporaryDirectory() as scratch:
+        metrics = os.path.join(scratch, "metrics.jsonl")
+        history = pretrain(make_config({"model_preset": "llama-tiny", "mock_data": True, "vocab_size": 4000,
+                                        "num_layers": None, "seq_length": seq_length,
+                                        "max_position_embeddings": seq_length, "micro_batch_size": 2,
+                                        "global_batch_size": 4, "train_iters": iters, "lr": 1e-3,
+                                        "eval_interval": 10_000, "log_interval": 1, "metrics_jsonl": metrics,
+                                        "seed": 1234, **values}, 1),
+                           pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+        with open(metrics) as f:
+            rates = [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
+    return {"tokens_per_sec": statistics.median(rates[1:]), "final_loss": history[-1]["lm_loss"]}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=12)
+    args = parser.parse_args(argv[1:])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    scan = time_scans(args.seq_length, args.heads, args.repeats)
+    print("scan", scan, flush=True)
+    runs = {"hybrid": train({**MAMBA, "hybrid_layer_pattern": "M-M-M-*-"}, args.iters, args.seq_length),
+            "softmax": train({"hybrid_layer_pattern": "*-*-*-*-"}, args.iters, args.seq_length)}
+    print("training", runs, flush=True)
+    record_result("mamba2", {"seq_length": args.seq_length, "heads": args.heads, "scan": scan, "training": runs,
+                             "hybrid_over_softmax_tokens_per_sec":
+                                 runs["hybrid"]["tokens_per_sec"] / runs["softmax"]["tokens_per_sec"]}, argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
