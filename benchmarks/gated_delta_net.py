@@ -15,15 +15,12 @@ final loss. Appends the figures with date, machine and command to benchmarks/res
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import tempfile
-import time
 
 import torch
 
+from benchmarks.mixer_runs import time_in_turn, train
 from benchmarks.results_file import record_result
 
 LINEAR = {"experimental_attention_variant": "gated_delta_net", "linear_attention_freq": 4,
@@ -46,39 +43,10 @@ def time_rules(seq_length: int, heads: int, repeats: int) -> dict:
 
     from megatron_lite.model.linear_attention.delta_rule import chunk_gated_delta_rule
 
-    inputs = _rule_inputs(seq_length, heads)
+    q, k, v, g, beta = _rule_inputs(seq_length, heads)
     rules = {"megatron_lite": lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, scale=128 ** -0.5)[0],
              "transformers": lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(q, k, v, g, beta)[0]}
-    with torch.no_grad():
-        ours, theirs = (rule(*inputs) for rule in rules.values())
-    difference = float((ours - theirs).abs().max() / theirs.abs().max())
-    seconds = {name: [] for name in rules}
-    for _ in range(repeats + 1):  # the first round warms up
-        for name, rule in rules.items():
-            start = time.perf_counter()
-            rule(*inputs).sum().backward()
-            seconds[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(times[1:]) for name, times in seconds.items()}
-    return {"max_relative_difference": difference, "forward_backward_s": medians,
-            "ours_over_transformers": medians["megatron_lite"] / medians["transformers"]}
-
-
-def train(values: dict, iters: int, seq_length: int) -> dict:
-    import pretrain_gpt
-    from megatron_lite.config.arguments import make_config
-    from megatron_lite.training.loop import pretrain
-
-    with tempfile.TemporaryDirectory() as scratch:
-        metrics = os.path.join(scratch, "metrics.jsonl")
-        history = pretrain(make_config({"model_preset": "llama-tiny", "mock_data": True, "vocab_size": 4000,
-                                        "seq_length": seq_length, "max_position_embeddings": seq_length,
-                                        "micro_batch_size": 2, "global_batch_size": 4, "train_iters": iters,
-                                        "lr": 1e-3, "eval_interval": 10_000, "log_interval": 1,
-                                        "metrics_jsonl": metrics, "seed": 1234, **values}, 1),
-                           pretrain_gpt.model_provider, pretrain_gpt.forward_step)
-        with open(metrics) as f:
-            rates = [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
-    return {"tokens_per_sec": statistics.median(rates[1:]), "final_loss": history[-1]["lm_loss"]}
+    return time_in_turn(rules, {"q": q, "k": k, "v": v, "g": g, "beta": beta}, repeats)
 
 
 def main(argv: list[str]) -> None:

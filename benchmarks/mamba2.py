@@ -15,16 +15,13 @@ first, and the final loss. Appends the figures with date, machine and command to
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.mixer_runs import time_in_turn, train
 from benchmarks.results_file import record_result
 
 MAMBA = {"mamba_num_heads": 8, "mamba_head_dim": 32, "mamba_num_groups": 2, "mamba_state_dim": 64}
@@ -45,40 +42,9 @@ def time_scans(seq_length: int, heads: int, repeats: int) -> dict:
 
     from megatron_lite.model.mamba.ssd import CHUNK_SIZE, ssd_chunked
 
-    inputs = _scan_inputs(seq_length, heads)
     scans = {"megatron_lite": lambda x, dt, A, B, C, D: ssd_chunked(x, dt, A, B, C, D, chunk_size=CHUNK_SIZE)[0],
              "transformers": lambda x, dt, A, B, C, D: mamba2_chunk_scan(x, dt, A, B, C, CHUNK_SIZE, D=D)}
-    with torch.no_grad():
-        ours, theirs = (scan(**inputs) for scan in scans.values())
-    difference = float((ours - theirs).abs().max() / theirs.abs().max())
-    seconds = {name: [] for name in scans}
-    for _ in range(repeats + 1):  # the first round warms up
-        for name, scan in scans.items():
-            start = time.perf_counter()
-            scan(**inputs).sum().backward()
-            seconds[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(times[1:]) for name, times in seconds.items()}
-    return {"max_relative_difference": difference, "forward_backward_s": medians,
-            "ours_over_transformers": medians["megatron_lite"] / medians["transformers"]}
-
-
-def train(values: dict, iters: int, seq_length: int) -> dict:
-    import pretrain_gpt
-    from megatron_lite.config.arguments import make_config
-    from megatron_lite.training.loop import pretrain
-
-    with tempfile.TemporaryDirectory() as scratch:
-        metrics = os.path.join(scratch, "metrics.jsonl")
-        history = pretrain(make_config({"model_preset": "llama-tiny", "mock_data": True, "vocab_size": 4000,
-                                        "num_layers": None, "seq_length": seq_length,
-                                        "max_position_embeddings": seq_length, "micro_batch_size": 2,
-                                        "global_batch_size": 4, "train_iters": iters, "lr": 1e-3,
-                                        "eval_interval": 10_000, "log_interval": 1, "metrics_jsonl": metrics,
-                                        "seed": 1234, **values}, 1),
-                           pretrain_gpt.model_provider, pretrain_gpt.forward_step)
-        with open(metrics) as f:
-            rates = [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
-    return {"tokens_per_sec": statistics.median(rates[1:]), "final_loss": history[-1]["lm_loss"]}
+    return time_in_turn(scans, _scan_inputs(seq_length, heads), repeats)
 
 
 def main(argv: list[str]) -> None:
@@ -91,8 +57,9 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     scan = time_scans(args.seq_length, args.heads, args.repeats)
     print("scan", scan, flush=True)
-    runs = {"hybrid": train({**MAMBA, "hybrid_layer_pattern": "M-M-M-*-"}, args.iters, args.seq_length),
-            "softmax": train({"hybrid_layer_pattern": "*-*-*-*-"}, args.iters, args.seq_length)}
+    runs = {"hybrid": train({**MAMBA, "num_layers": None, "hybrid_layer_pattern": "M-M-M-*-"}, args.iters,
+                            args.seq_length),
+            "softmax": train({"num_layers": None, "hybrid_layer_pattern": "*-*-*-*-"}, args.iters, args.seq_length)}
     print("training", runs, flush=True)
     record_result("mamba2", {"seq_length": args.seq_length, "heads": args.heads, "scan": scan, "training": runs,
                              "hybrid_over_softmax_tokens_per_sec":
