@@ -361,7 +361,7 @@ def assert_sends_pair_with_receives(results: list[dict], pp: int, v: int, m: int
 
 HF_VOCAB = 300
 HF_FAMILIES = ["llama", "llama_tied", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe",
-               "qwen2_moe", "deepseek_v3", "deepseek_v3_no_q_latent"]
+               "qwen2_moe", "deepseek_v3", "deepseek_v3_no_q_latent", "nemotron_h", "nemotron_h_moe", "mamba2"]
 # Scaled wavelengths from those below 64 / 4 (kept) through the band to 64 (interpolated) and above (divided)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -381,6 +381,9 @@ def hf_config(family: str):
                 "moe_intermediate_size": 32, "num_attention_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
                 "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "n_shared_experts": 1,
                 "num_experts_per_tok": 2, "routed_scaling_factor": 2.5, "tie_word_embeddings": False}
+    nemotron = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "intermediate_size": 96, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
+                "ssm_state_size": 16, "max_position_embeddings": 64, **common}
     return {
         "llama": lambda: transformers.LlamaConfig(intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                                                   rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -413,6 +416,17 @@ def hf_config(family: str):
         "deepseek_v3_no_q_latent": lambda: transformers.DeepseekV3Config(
             **deepseek, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, n_group=1,
             topk_group=1),
+        # Nemotron-H's form: Mamba-2 mixers with and without an MLP after them, attention, squared-ReLU MLPs;
+        # Nemotron 3's: sigmoid-routed squared-ReLU experts over 2 groups and a shared expert
+        "nemotron_h": lambda: transformers.NemotronHConfig(**nemotron, hybrid_override_pattern="M-M*-M-"),
+        "nemotron_h_moe": lambda: transformers.NemotronHConfig(
+            **nemotron, hybrid_override_pattern="MEM*EME", n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5),
+        # four Mamba-2 blocks alone, the residual stream in fp32 (transformers' default) and tied tables
+        "mamba2": lambda: transformers.Mamba2Config(
+            hidden_size=64, num_heads=8, head_dim=16, n_groups=2, state_size=16, num_hidden_layers=4, expand=2,
+            tie_word_embeddings=True, vocab_size=HF_VOCAB, bos_token_id=0, eos_token_id=HF_VOCAB - 1, pad_token_id=0),
     }[family]()
 
 
@@ -443,7 +457,7 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[str, str]]:
         for index, (family, (hf_dir, mlite_dir)) in enumerate(dirs.items()):
             torch.manual_seed(index)
             model = AutoModelForCausalLM.from_config(hf_config(family))
-            if family.startswith(("qwen", "deepseek")):
+            if family.startswith(("qwen", "deepseek", "nemotron", "mamba")):
                 perturb_biases_and_norms(model)
             model.save_pretrained(hf_dir)
             if family == "llama":
@@ -474,10 +488,13 @@ def random_hf_checkpoint(config, root, seed: int, perturb: tuple[str, ...] = (),
 
 @torch.no_grad()
 def perturb_biases_and_norms(model) -> None:
-    """transformers initializes biases to zero and norm weights to one: make them random, so that they count."""
+    """transformers initializes biases to zero, norm weights and Mamba-2's D and dt_bias to one, its A_log to
+    log(1 .. heads) and Nemotron-H's router to zero: make them random, so that they count."""
     for name, param in model.named_parameters():
-        if name.endswith(("bias", "norm.weight")):
+        if name.endswith(("bias", "norm.weight", ".A_log", ".D", "dt_bias")):
             param.add_(0.1 * torch.randn_like(param))
+        elif name.endswith("mixer.gate.weight"):
+            param.normal_(std=0.1)
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert bias, a buffer
             buffer.add_(0.1 * torch.randn_like(buffer))

@@ -44,7 +44,8 @@ def test_greedy_generation_equals_transformers_generate(converted, family):
     assert torch.equal(ours, transformers_greedy(hf_dir, PROMPT, NEW_TOKENS))
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral", "nemotron_h",
+                                    "nemotron_h_moe"])
 def test_kv_cache_decoding_equals_full_forward(converted, family):
     assert_cached_decoding_equals_full_forward(our_model(converted[family][1]))
 

@@ -11,7 +11,8 @@ from megatron_lite.hf.config_bounds import FRACTIONS, INTEGER_MINIMUMS, NON_NEGA
 from megatron_lite.hf.configs import ConversionError
 from megatron_lite.hf.families import model_values_from_hf
 
-PRESETS = ("deepseek-v3", "qwen3-next-80b-a3b", "gpt-oss-20b", "mixtral-tiny", "qwen3-30b-a3b", "gpt2-124m")
+PRESETS = ("deepseek-v3", "qwen3-next-80b-a3b", "gpt-oss-20b", "mixtral-tiny", "qwen3-30b-a3b", "gpt2-124m",
+           "nemotron-h-8b", "nemotron-3-nano-30b-a3b")
 
 
 def published(preset: str) -> dict:

@@ -195,6 +195,20 @@ def _published_parameters(hf: dict) -> tuple[int, int]:
     return total, experts * pattern.count("E")
 
 
+def _transformers_count(m) -> int:
+    """transformers' NemotronHForCausalLM of the config.json our model exports, built on the meta device: its
+    parameters and the expert biases it holds as buffers (ours are buffers too, not counted)."""
+    import transformers
+
+    from megatron_lite.hf.families import hf_config_from_model
+
+    config = transformers.NemotronHConfig(**{k: v for k, v in hf_config_from_model(m, torch.bfloat16).items()
+                                             if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        model = transformers.NemotronHForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize("preset", list(PUBLISHED))
 def test_presets_have_the_published_shapes_and_parameter_counts(preset):
     """Nemotron-H 8B: 8,100,852,736 parameters; Nemotron 3 Nano: 31.6B, 3.2B activated without the input embedding
@@ -214,6 +228,7 @@ def test_presets_have_the_published_shapes_and_parameter_counts(preset):
     shapes = chunk_params(config, model_chunk_plans(config, 0)[0])
     total, routed = sum(s.numel for s in shapes), sum(s.numel for s in shapes if s.expert)
     assert (total, routed) == _published_parameters(hf)
+    assert total == _transformers_count(config.model)
     if preset == "nemotron-h-8b":
         assert total == 8_100_852_736
     else:

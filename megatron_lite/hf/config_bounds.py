@@ -18,7 +18,9 @@ INTEGER_KEYS = ("n_routed_experts", "n_shared_experts", "first_k_dense_replace",
                 "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                 "decoder_sparse_step", "sliding_window", "n_embd", "n_positions", "n_layer", "n_head", "n_inner",
                 "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                "linear_num_key_heads", "linear_num_value_heads")
+                "linear_num_key_heads", "linear_num_value_heads", "mamba_num_heads", "mamba_head_dim",
+                "ssm_state_size", "n_groups", "conv_kernel", "moe_shared_expert_intermediate_size", "num_heads",
+                "state_size")
 NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "initializer_range", "attention_dropout", "router_aux_loss_coef",
                "layer_norm_epsilon", "resid_pdrop", "attn_pdrop", "partial_rotary_factor", "factor", "low_freq_factor",
                "high_freq_factor", "original_max_position_embeddings", "routed_scaling_factor", "mscale",
@@ -33,9 +35,10 @@ INTEGER_MINIMUMS = {
                      "n_layer", "n_head", "n_inner", "full_attention_interval", "linear_conv_kernel_dim",
                      "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                      "linear_num_value_heads", "n_routed_experts", "n_group", "topk_group", "q_lora_rank",
-                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), 1),
+                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mamba_num_heads",
+                     "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "num_heads", "state_size"), 1),
     **dict.fromkeys(("num_experts", "shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
-                     "num_nextn_predict_layers", "sliding_window"), 0),
+                     "num_nextn_predict_layers", "sliding_window", "moe_shared_expert_intermediate_size"), 0),
     "vocab_size": 2,
 }
 POSITIVE_NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "initializer_range", "routed_scaling_factor",

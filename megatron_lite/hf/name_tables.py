@@ -94,12 +94,14 @@ class NameTable:
     `{layer}`, and `{expert}` in expert rules: the family says which rules each kind of layer takes), after
     (`tail`). `mtp` holds a multi-token prediction module's own rules (`{depth}` ours, `{layer}` the HF layer it is
     stored as); its transformer layer takes the decoder layers' rules under our `mtp.layers.{depth}.transformer_layer.`
-    (None: the family stores no such modules)."""
+    (None: the family stores no such modules). `blocks(i)` gives more placeholders of decoder layer i where HF stores
+    its parts as blocks of their own (Nemotron-H's `{mixer}` and `{mlp}`)."""
 
     head: list[Rule]
     layer: Callable[[LayerSpec], list[Rule]]
     tail: list[Rule]
     mtp: list[Rule] | None = None
+    blocks: Callable[[int], dict] | None = None
 
 
 def _h(m):

@@ -71,7 +71,7 @@ def units(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[Unit
     for rule in table.head:
         yield [(rule, {})]
     for layer in layers(range(m.num_layers)):
-        yield expand(table.layer(specs[layer]), {"layer": layer})
+        yield expand(table.layer(specs[layer]), {"layer": layer, **(table.blocks(layer) if table.blocks else {})})
     for depth in range(m.mtp_num_layers or 0):
         layer = m.num_layers + depth  # where the module is stored, and the global number of its layer
         yield expand(_mtp_rules(table, layer_spec(m, layer)), {"layer": layer, "depth": depth})

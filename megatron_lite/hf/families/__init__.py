@@ -3,8 +3,8 @@ its name table), and what the rest of the package asks of them: which family a c
 is, and config.json -> model flags and back.
 
 `FAMILIES` lists them in the order `family_of_model` asks whether a network is theirs. A family whose feature no
-other has (Gated DeltaNet layers, gpt-oss's options, multi-latent attention) refuses with one line a network that has
-the feature but not the rest of its network, rather than let it be converted into a different one.
+other has (Mamba-2 layers, Gated DeltaNet layers, gpt-oss's options, multi-latent attention) refuses with one line a
+network that has the feature but not the rest of its network, rather than let it be converted into a different one.
 """
 
 from __future__ import annotations
@@ -19,17 +19,19 @@ from megatron_lite.hf.families.family import Family
 from megatron_lite.hf.families.gpt2 import GPT2
 from megatron_lite.hf.families.gpt_oss import GPT_OSS
 from megatron_lite.hf.families.llama import LLAMA
+from megatron_lite.hf.families.mamba2 import MAMBA2
 from megatron_lite.hf.families.mixtral import MIXTRAL
+from megatron_lite.hf.families.nemotron_h import NEMOTRON_H
 from megatron_lite.hf.families.qwen import QWEN2, QWEN3
 from megatron_lite.hf.families.qwen3_next import QWEN3_5_MOE_TEXT, QWEN3_5_TEXT, QWEN3_NEXT
 from megatron_lite.hf.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (
-    QWEN3_5_TEXT, QWEN3_5_MOE_TEXT, QWEN3_NEXT, GPT_OSS, MIXTRAL, QWEN3_MOE, QWEN2_MOE, QWEN2, QWEN3, LLAMA, GPT2,
-    DEEPSEEK_V3)}
+    MAMBA2, NEMOTRON_H, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT, QWEN3_NEXT, GPT_OSS, MIXTRAL, QWEN3_MOE, QWEN2_MOE, QWEN2,
+    QWEN3, LLAMA, GPT2, DEEPSEEK_V3)}
 # In the order an unsupported model_type's message lists them
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3",
-                         "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss")
+                         "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss", "nemotron_h", "mamba2")
 # Vision-language wrappers whose language model converts (as the text family; the vision tower does not)
 LANGUAGE_MODELS = {family.language_model_of: family.model_type for family in FAMILIES.values()
                    if family.language_model_of}

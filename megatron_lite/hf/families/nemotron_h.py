@@ -1,0 +1,212 @@
+"""Nemotron-H and Nemotron 3 (transformers' nemotron_h): their config.json <-> megatron_lite model flags, the network
+they recognise and their name table.
+
+Every block of a Nemotron-H is one sublayer with its own RMSNorm and residual, its kind one symbol of
+hybrid_override_pattern (or one entry of layers_block_type): Mamba-2 mixers (M), attention without positional
+embeddings (*), squared-ReLU MLPs (-) and MoE layers (E: sigmoid-routed squared-ReLU experts with an expert bias,
+renormalized over the top k and scaled by routed_scaling_factor, and a shared expert). The pattern becomes
+--hybrid-layer-pattern as it is: a mixer and the MLP after it are one of our layers (a Mamba-2 mixer with no MLP
+after it one alone), whose parts the name table finds in the blocks they are stored as (`{mixer}`, `{mlp}`). A
+Mamba-2 mixer's projection and convolution are laid out per group here (model/mamba/mixer.py), by HF over all
+groups part by part ([z, x, B, C, dt] and [x, B, C]).
+
+Refused with one line: biases, a latent projection around the experts (moe_latent_size), multi-token prediction
+modules (num_nextn_predict_layers, which transformers does not build), time-step limits, residuals kept in fp32,
+and the other activations and kernel sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_lite.config.hybrid_layer_pattern import parse_hybrid_layer_pattern
+from megatron_lite.config.layer_specs import ATTENTION, MAMBA, NO_MLP
+from megatron_lite.config.sections import ModelConfig
+from megatron_lite.hf.configs import refuse, required
+from megatron_lite.hf.families.family import Family, refuse_network
+from megatron_lite.hf.name_tables import QKV, VOCAB_ROWS, NameTable, Rule, Transform, output_layer
+
+_BLOCK_TYPES = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-",
+                "moe": "E"}
+
+
+def _pattern(hf: dict) -> str:
+    """hybrid_override_pattern, or the symbols of layers_block_type (transformers 5's form of it)."""
+    if hf.get("hybrid_override_pattern"):
+        return hf["hybrid_override_pattern"]
+    types = required(hf, "layers_block_type")
+    refuse(not set(types) <= set(_BLOCK_TYPES), f"layers_block_type {types!r}")
+    return "".join(_BLOCK_TYPES[kind] for kind in types)
+
+
+def _values(hf: dict) -> dict:
+    refuse(any(hf.get(key) for key in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias")),
+           "a nemotron_h with biases")
+    refuse(not hf.get("use_conv_bias", True), "a nemotron_h convolution without a bias")
+    refuse(hf.get("mlp_hidden_act", "relu2") != "relu2", f"mlp_hidden_act {hf.get('mlp_hidden_act')!r}")
+    refuse(hf.get("mamba_hidden_act", "silu") != "silu", f"mamba_hidden_act {hf.get('mamba_hidden_act')!r}")
+    refuse(hf.get("conv_kernel", 4) != 4, f"conv_kernel {hf.get('conv_kernel')} (this version builds 4)")
+    limit = hf.get("time_step_limit") or (0.0, math.inf)
+    refuse(tuple(float(x) if not isinstance(x, dict) else math.inf for x in limit) != (0.0, math.inf),
+           f"time_step_limit {limit!r}")
+    refuse(bool(hf.get("residual_in_fp32")), "residual_in_fp32")
+    refuse(hf.get("moe_latent_size") is not None, f"moe_latent_size {hf.get('moe_latent_size')} (a latent "
+                                                   f"projection around the experts)")
+    refuse(bool(hf.get("num_nextn_predict_layers")), "multi-token prediction modules (num_nextn_predict_layers)")
+    pattern = _pattern(hf)
+    values = {"hybrid_layer_pattern": pattern, "hidden_size": required(hf, "hidden_size"),
+              "vocab_size": required(hf, "vocab_size"), "normalization": "RMSNorm",
+              "norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)), "swiglu": False, "squared_relu": True,
+              "position_embedding_type": "none", "disable_bias_linear": True,
+              "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
+              "max_position_embeddings": hf.get("max_position_embeddings", 4096),
+              "num_attention_heads": required(hf, "num_attention_heads"), "group_query_attention": True,
+              "num_query_groups": required(hf, "num_key_value_heads"), "kv_channels": required(hf, "head_dim"),
+              "ffn_hidden_size": required(hf, "intermediate_size"), "mamba_num_heads": required(hf, "mamba_num_heads"),
+              "mamba_head_dim": required(hf, "mamba_head_dim"), "mamba_state_dim": required(hf, "ssm_state_size"),
+              "mamba_num_groups": required(hf, "n_groups"), "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    if "E" in pattern:
+        refuse(not hf.get("norm_topk_prob", True), "a nemotron_h without norm_topk_prob")
+        refuse(hf.get("n_shared_experts", 1) != 1, f"n_shared_experts {hf.get('n_shared_experts')}")
+        groups, topk = hf.get("n_group") or 1, required(hf, "num_experts_per_tok")
+        values.update(num_experts=required(hf, "n_routed_experts"), moe_router_topk=topk,
+                      moe_ffn_hidden_size=required(hf, "moe_intermediate_size"),
+                      moe_shared_expert_intermediate_size=required(hf, "moe_shared_expert_intermediate_size"),
+                      moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                      moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                      moe_router_num_groups=groups if groups > 1 else None,
+                      moe_router_group_topk=hf.get("topk_group") if groups > 1 else None)
+    return values
+
+
+def _recognises(m: ModelConfig) -> bool:
+    """A network with Mamba-2 layers, or squared-ReLU MLPs without positional embeddings, is Nemotron-H's or no
+    family's."""
+    if "M" not in (m.hybrid_layer_pattern or "") and not m.squared_relu:
+        return False
+    needs = [(m.hybrid_layer_pattern is not None, "--hybrid-layer-pattern (its blocks)"),
+             (m.normalization == "RMSNorm" and m.squared_relu and m.position_embedding_type == "none"
+              and m.disable_bias_linear, "RMSNorm, --squared-relu, --position-embedding-type none and no biases"),
+             (not (m.qk_layernorm or m.attention_output_gate or m.apply_layernorm_1p or m.multi_latent_attention
+                   or m.experimental_attention_variant or m.window_size or m.softmax_type != "vanilla"
+                   or m.add_qkv_bias or m.mtp_num_layers), "plain grouped-query attention and no MTP")]
+    if m.num_experts:
+        needs.append((m.moe_router_score_function == "sigmoid" and m.moe_router_enable_expert_bias
+                      and bool(m.moe_shared_expert_intermediate_size) and not m.moe_shared_expert_gate,
+                      "sigmoid routing with an expert bias and an ungated shared expert"))
+    refuse_network("nemotron_h", "Mamba-2 layers or squared-ReLU MLPs", needs)
+    return True
+
+
+def _config(m: ModelConfig) -> dict:
+    pattern = m.hybrid_layer_pattern.replace("|", "")
+    config = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": m.hidden_size,
+              "vocab_size": m.vocab_size, "hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern),
+              "layer_norm_epsilon": m.norm_epsilon, "num_attention_heads": m.num_attention_heads,
+              "num_key_value_heads": m.num_query_groups, "head_dim": m.head_dim,
+              "intermediate_size": m.ffn_hidden_size, "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu",
+              "mamba_num_heads": m.mamba_num_heads or 2 * m.hidden_size // m.mamba_head_dim,
+              "mamba_head_dim": m.mamba_head_dim, "ssm_state_size": m.mamba_state_dim, "n_groups": m.mamba_num_groups,
+              "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True, "use_bias": False, "mlp_bias": False,
+              "attention_bias": False, "residual_in_fp32": False, "max_position_embeddings": m.max_position_embeddings,
+              "tie_word_embeddings": not m.untie_embeddings_and_output_weights, "num_nextn_predict_layers": 0}
+    if m.num_experts:
+        config.update(n_routed_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                      moe_intermediate_size=m.moe_ffn_hidden_size,
+                      moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size, n_shared_experts=1,
+                      routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0, norm_topk_prob=True,
+                      n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1)
+    return config
+
+
+def _by_group(m: ModelConfig, per_group: list[int], groups: int) -> Transform:
+    """HF's parts, each over all groups in order, <-> ours, every part of group 0, then of group 1, ...;
+    `per_group` the rows each part has per group."""
+    def to_ours(hf: list[torch.Tensor], m: ModelConfig) -> torch.Tensor:
+        parts = hf[0].split([rows * groups for rows in per_group])
+        return torch.cat([part.reshape(groups, -1, *part.shape[1:]) for part in parts], dim=1).flatten(0, 1)
+
+    def to_hf(t: torch.Tensor, m: ModelConfig) -> list[torch.Tensor]:
+        parts = t.reshape(groups, -1, *t.shape[1:]).split(per_group, dim=1)
+        return [torch.cat([part.flatten(0, 1) for part in parts])]
+
+    return Transform(to_ours, to_hf)
+
+
+def mamba_rules(m: ModelConfig) -> list[Rule]:
+    """A Mamba-2 mixer (model/mamba/mixer.py) stored as backbone block `{mixer}`: its projection and convolution
+    by group (Nemotron-H's and Mamba-2's names)."""
+    ours, theirs = "decoder.layers.{layer}.self_attention.", "backbone.layers.{mixer}.mixer."
+    heads = m.mamba_num_heads or 2 * m.hidden_size // m.mamba_head_dim
+    groups, h = m.mamba_num_groups, m.hidden_size
+    per_head = heads // groups * m.mamba_head_dim
+    inner, state = heads * m.mamba_head_dim, m.mamba_state_dim
+    channels = inner + 2 * groups * state
+    projection = _by_group(m, [per_head, per_head, state, state, heads // groups], groups)
+    convolution = _by_group(m, [per_head, state, state], groups)
+    return [Rule(ours + "in_proj.weight", (theirs + "in_proj.weight",),
+                 lambda m: ((2 * inner + 2 * groups * state + heads, h),), projection),
+            Rule(ours + "conv1d_weight", (theirs + "conv1d.weight",), lambda m: ((channels, 1, 4),), convolution),
+            Rule(ours + "conv1d_bias", (theirs + "conv1d.bias",), lambda m: ((channels,),), convolution),
+            *[Rule(ours + name, (theirs + name,), lambda m: ((heads,),)) for name in ("A_log", "D", "dt_bias")],
+            Rule(ours + "norm_weight", (theirs + "norm.weight",), lambda m: ((inner,),)),
+            Rule(ours + "out_proj.weight", (theirs + "out_proj.weight",), lambda m: ((h, inner),))]
+
+
+def _attention(m: ModelConfig) -> list[Rule]:
+    ours, theirs = "decoder.layers.{layer}.self_attention.", "backbone.layers.{mixer}.mixer."
+    q, kv, h = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim, m.hidden_size
+    return [Rule(ours + "linear_qkv.weight", tuple(f"{theirs}{p}_proj.weight" for p in "qkv"),
+                 lambda m: ((q, h), (kv, h), (kv, h)), QKV),
+            Rule(ours + "linear_proj.weight", (theirs + "o_proj.weight",), lambda m: ((h, q),))]
+
+
+def _up_down(ours: str, theirs: str, ffn: int, h: int) -> list[Rule]:
+    """A squared-ReLU MLP: HF's up and down projections -> our fc1 and fc2."""
+    return [Rule(ours + "linear_fc1.weight", (theirs + "up_proj.weight",), lambda m: ((ffn, h),)),
+            Rule(ours + "linear_fc2.weight", (theirs + "down_proj.weight",), lambda m: ((h, ffn),))]
+
+
+def _mlp(m: ModelConfig, routed: bool) -> list[Rule]:
+    ours, theirs, h = "decoder.layers.{layer}.mlp.", "backbone.layers.{mlp}.mixer.", m.hidden_size
+    if not routed:
+        return _up_down(ours, theirs, m.ffn_hidden_size, h)
+    return [Rule(ours + "router.weight", (theirs + "gate.weight",), lambda m: ((m.num_experts, h),)),
+            Rule(ours + "router.expert_bias", (theirs + "gate.e_score_correction_bias",),
+                 lambda m: ((m.num_experts,),)),
+            *_up_down(ours + "experts.{expert}.", theirs + "experts.{expert}.", m.moe_ffn_hidden_size, h),
+            *_up_down(ours + "shared_experts.", theirs + "shared_experts.", m.moe_shared_expert_intermediate_size, h)]
+
+
+def stored_blocks(m: ModelConfig):
+    """Our layer i -> the HF blocks its mixer and MLP are stored as (each sublayer its own block)."""
+    starts, block = [], 0
+    for layer in parse_hybrid_layer_pattern(m.hybrid_layer_pattern).layers:
+        starts.append({"mixer": block, "mlp": block + 1})
+        block += 1 + (layer.mlp is not None)
+    return lambda layer: starts[layer]
+
+
+def _name_table(m: ModelConfig) -> NameTable:
+    h = m.hidden_size
+    norm = "backbone.layers.{%s}.norm.weight"
+    mixer_norm = Rule("decoder.layers.{layer}.input_layernorm.weight", (norm % "mixer",), lambda m: ((h,),))
+    mlp_norm = Rule("decoder.layers.{layer}.pre_mlp_layernorm.weight", (norm % "mlp",), lambda m: ((h,),))
+    mixers = {MAMBA: mamba_rules(m), ATTENTION: _attention(m)}
+
+    def layer(spec) -> list[Rule]:
+        mlp = [] if spec.mlp == NO_MLP else [mlp_norm, *_mlp(m, spec.routed_experts)]
+        return [mixer_norm, *mixers[spec.mixer], *mlp]
+
+    return NameTable(
+        head=[Rule("embedding.word_embeddings.weight", ("backbone.embeddings.weight",), lambda m: ((m.vocab_size, h),),
+                   VOCAB_ROWS)],
+        layer=layer,
+        tail=[Rule("decoder.final_layernorm.weight", ("backbone.norm_f.weight",), lambda m: ((h,),)),
+              *output_layer(m, "lm_head.weight")],
+        blocks=stored_blocks(m))
+
+
+NEMOTRON_H = Family("nemotron_h", _values, _config, _recognises, _name_table)
