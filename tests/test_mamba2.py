@@ -239,3 +239,33 @@ def test_presets_have_the_published_shapes_and_parameter_counts(preset):
                                                       hf["routed_scaling_factor"])
         activated = total - routed * (1 - m.moe_router_topk / m.num_experts) - m.vocab_size * m.hidden_size
         assert round(total / 1e9, 1) == 31.6 and round(activated / 1e9, 1) == 3.2
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"mamba_num_heads": 6}, r"mamba-num-heads \(6\) must be a multiple of mamba-num-groups \(4\)"),
+    ({"tensor_model_parallel_size": 8}, r"tensor-model-parallel-size \(8\) must divide mamba-num-groups \(4\)"),
+    ({"tensor_model_parallel_size": 2, "context_parallel_size": 4},
+     r"context-parallel-size \(4\) must divide the Mamba-2 groups of each tensor-parallel rank"),
+    ({"mamba_num_heads": None, "mamba_head_dim": 48}, r"2 x hidden-size \(128\) must be divisible by "
+                                                      r"mamba-head-dim \(48\)"),
+    ({"fp8_format": "e4m3"}, r"--fp8-format does not apply to Mamba-2 layers \(M\) yet"),
+    ({"hybrid_layer_pattern": None, "num_layers": 2}, r"--mamba-num-groups acts only with --hybrid-layer-pattern"),
+])
+def test_mamba_sizes_that_cannot_be_built_are_one_line_before_a_model_exists(values, message):
+    base = {**TINY_2_LAYERS, "num_layers": None, "hybrid_layer_pattern": "M-M*-", "hidden_size": 64,
+            "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_num_groups": 4, "mamba_state_dim": 16,
+            "seq_length": 64, "max_position_embeddings": 64}
+    from megatron_lite.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        make_config({**base, **values}, 8)
+
+
+def test_a_checkpoint_of_another_state_size_is_one_line_naming_it(tmp_path):
+    from megatron_lite.errors import CheckpointError
+    from tests.helpers import train_losses
+
+    values = {**TINY_2_LAYERS, **MAMBA, "num_layers": None, "hybrid_layer_pattern": "M-*-", "train_iters": 2}
+    train_losses({**values, "save": str(tmp_path / "ckpt")}, 1)
+    with pytest.raises(CheckpointError, match=r"it was saved with .*mamba_state_dim"):
+        train_losses({**values, "mamba_state_dim": 32, "load": str(tmp_path / "ckpt")}, 1)

@@ -359,7 +359,11 @@ class Checkpointer:
         """Raise on every rank if any rank cannot find what it needs, or if the checkpoint holds a model
         tensor no rank loads, before the collective load starts."""
         problems = missing_or_mismatched(pieces, stored)
-        hint = " (pass --no-load-optim to skip the optimizer state)" if problems and "optimizer." in problems[0] else ""
+        hint = ""
+        if problems and "optimizer." in problems[0]:
+            hint = " (pass --no-load-optim to skip the optimizer state)"
+        elif problems:
+            hint = f"; the model configuration differs: {_model_differences(saved_model, self.config)}"
         agree(f"cannot load {path}: {problems[0]}{hint}" if problems else None, self.group)
         unused = self._first_unloaded_model_tensor(pieces, stored)
         if unused is not None:

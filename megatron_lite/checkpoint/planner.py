@@ -139,7 +139,7 @@ def missing_or_mismatched(pieces, metadata: Metadata) -> list[str]:
             problems.append(f"checkpoint entry '{piece.key}' is not a tensor")
         elif tuple(stored.size) != tuple(piece.global_shape):
             problems.append(f"checkpoint tensor '{piece.key}' has global shape {tuple(stored.size)} but this "
-                            f"model expects {tuple(piece.global_shape)}; the model configuration differs")
+                            f"model expects {tuple(piece.global_shape)}")
     return problems
 
 
