@@ -17,6 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_lite.config.kinds import SECTIONS
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -134,8 +136,7 @@ RULES: dict[str, tuple[Needs | AnyOf | Excludes, ...]] = {
     **{name: (_LINEAR_ATTENTION,) for name in ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
                                                "linear_value_head_dim", "linear_num_key_heads",
                                                "linear_num_value_heads")},
-    **{name: (needs("hybrid_layer_pattern"),) for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
-                                                            "mamba_num_heads")},
+    **{f.name: (needs("hybrid_layer_pattern"),) for section in SECTIONS for f in dataclasses.fields(section)},
     "window_attn_skip_freq": (needs("window_size"),),
     "moe_router_pre_softmax": (_MOE, needs("moe_router_score_function", values=("softmax",))),
     "moe_router_enable_expert_bias": (_MOE, needs("moe_router_score_function", values=("sigmoid",))),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, NamedTuple
 
+from megatron_lite.config.kinds import BY_SYMBOL
 from megatron_lite.config.layer_pattern import (
     LayerPatternError,
     layer_list_expression,
@@ -36,9 +37,9 @@ from megatron_lite.config.layer_pattern import (
 if TYPE_CHECKING:
     from megatron_lite.config.sections import Config
 
-MIXERS = {"*": "softmax attention", "+": "multi-latent attention", "G": "Gated DeltaNet", "M": "Mamba-2"}
-MLPS = {"-": "a dense MLP", "E": "an MoE layer"}
-ALONE = {"M"}  # mixers that make a layer without an MLP when none follows
+MIXERS = {symbol: kind.described for symbol, kind in BY_SYMBOL.items() if kind.part == "mixer"}
+MLPS = {symbol: kind.described for symbol, kind in BY_SYMBOL.items() if kind.part == "mlp"}
+ALONE = {symbol for symbol, kind in BY_SYMBOL.items() if kind.alone}  # mixers that make a layer with no MLP after
 NOT_BUILT = {"D": "DeepSeek sparse attention"}
 STAGE, DEPTH = "|", "/"
 

@@ -1,12 +1,13 @@
 """What each layer of the network is, read once from whichever flags describe the stack (--hybrid-layer-pattern
-sets the per-layer flags it stands for, config/hybrid_layer_pattern.py, and alone says which layers are Mamba-2's,
-which no other flag describes): its token mixer, its MLP (or none) and its softmax attention's window. The model
+sets the per-layer flags it stands for, config/hybrid_layer_pattern.py, and alone places the kinds no other flag
+describes, such as Mamba-2): its token mixer, its MLP (or none) and its softmax attention's window. The model
 builds each layer from its spec (model/kinds/)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from megatron_lite.config import kinds
 from megatron_lite.config.hybrid_layer_pattern import parse_hybrid_layer_pattern
 from megatron_lite.config.layer_pattern import (
     linear_attention_pattern,
@@ -15,13 +16,14 @@ from megatron_lite.config.layer_pattern import (
 )
 from megatron_lite.config.sections import ModelConfig
 
-ATTENTION, LATENT_ATTENTION, GATED_DELTA_NET, MAMBA = "attention", "multi-latent attention", "Gated DeltaNet", "Mamba-2"
-DENSE, MOE, NO_MLP = "dense", "MoE", "none"
+ATTENTION, LATENT_ATTENTION = kinds.ATTENTION.name, kinds.LATENT_ATTENTION.name
+GATED_DELTA_NET, MAMBA = kinds.GATED_DELTA_NET.name, kinds.mamba.KIND.name
+DENSE, MOE, NO_MLP = kinds.DENSE.name, kinds.MOE.name, kinds.NO_MLP.name
 
 
 class LayerSpec(NamedTuple):
-    mixer: str  # ATTENTION, LATENT_ATTENTION, GATED_DELTA_NET or MAMBA
-    mlp: str  # DENSE, MOE or NO_MLP (a Mamba-2 mixer alone)
+    mixer: str  # a mixer kind's name (config/kinds/): ATTENTION, LATENT_ATTENTION, GATED_DELTA_NET, MAMBA
+    mlp: str  # an MLP kind's name: DENSE, MOE or NO_MLP (a mixer alone)
     window: int | None = None  # keys before the query that softmax attention sees; None: all
 
     @property
@@ -37,9 +39,10 @@ def layer_specs(config: ModelConfig) -> list[LayerSpec]:
                        config.window_size[0] if windowed and not linear else None)
              for linear, moe, windowed in zip(linear_attention_pattern(config), moe_layer_pattern(config),
                                               window_attention_pattern(config))]
-    if config.hybrid_layer_pattern is not None and "M" in config.hybrid_layer_pattern:
+    placed = {kind.symbol: kind.name for kind in kinds.KINDS if kind.pattern_only}
+    if config.hybrid_layer_pattern is not None and set(config.hybrid_layer_pattern) & set(placed):
         layers = parse_hybrid_layer_pattern(config.hybrid_layer_pattern).layers
-        specs = [LayerSpec(MAMBA, spec.mlp if layer.mlp else NO_MLP) if layer.mixer == "M" else spec
+        specs = [LayerSpec(placed[layer.mixer], spec.mlp if layer.mlp else NO_MLP) if layer.mixer in placed else spec
                  for spec, layer in zip(specs, layers, strict=True)]
     return specs
 

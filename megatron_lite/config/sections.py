@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 from megatron_lite.config.attention_variants import AttentionVariantsConfig
 from megatron_lite.config.fault_tolerance import FaultToleranceConfig
-from megatron_lite.config.mamba import MambaConfig
+from megatron_lite.config.kinds import SECTIONS
 from megatron_lite.data.samplers import rampup_global_batch_size
 
 
 @dataclass
-class ModelConfig(AttentionVariantsConfig, MambaConfig):
+class ModelConfig(AttentionVariantsConfig, *SECTIONS):
     num_layers: int = 2
     """transformer layers of the decoder"""
     hybrid_layer_pattern: str | None = None

@@ -16,9 +16,9 @@ from megatron_lite.config.fault_tolerance_validation import fault_tolerance_prob
 from megatron_lite.config.flag_dependencies import dependency_problems
 from megatron_lite.config.fp8_validation import fp8_problems
 from megatron_lite.config.hybrid_layer_pattern import pattern_chunk_layers
+from megatron_lite.config.kinds import KINDS
 from megatron_lite.config.layer_pattern import moe_layer_pattern
 from megatron_lite.config.layer_split import pipeline_stage_layers
-from megatron_lite.config.mamba import mamba_problems
 from megatron_lite.config.mla_validation import mla_problems
 from megatron_lite.config.moe_validation import expert_layout_problems
 from megatron_lite.config.mtp_validation import mtp_problems
@@ -41,7 +41,7 @@ def validate(config: Config, world_size: int, given: Iterable[str] = ()) -> None
         problems = (_layout_problems(config, world_size) + _model_problems(config) + _run_problems(config)
                     + schedule_problems(config) + _profile_problems(config, world_size)
                     + fp8_problems(config) + mtp_problems(config) + attention_variant_problems(config)
-                    + mamba_problems(config))
+                    + [problem for kind in KINDS if kind.problems for problem in kind.problems(config)])
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -69,8 +69,8 @@ _INT_MINIMUMS = {
     "straggler_minmax_count": 1, "linear_attention_freq": 1, "linear_conv_kernel_dim": 1, "linear_key_head_dim": 1,
     "linear_value_head_dim": 1, "linear_num_key_heads": 1, "linear_num_value_heads": 1,
     "kv_lora_rank": 1, "q_lora_rank": 1, "qk_head_dim": 1, "qk_pos_emb_head_dim": 1, "v_head_dim": 1,
-    "yarn_original_max_position_embeddings": 1, "muon_num_ns_steps": 1, "mamba_state_dim": 1, "mamba_head_dim": 1,
-    "mamba_num_groups": 1, "mamba_num_heads": 1,
+    "yarn_original_max_position_embeddings": 1, "muon_num_ns_steps": 1,
+    **{name: least for kind in KINDS for name, least in kind.minimums.items()},
 }
 _POSITIVE_FLOATS = {"rotary_base", "activation_func_clamp_value", "norm_epsilon", "moe_expert_capacity_factor",
                     "moe_router_topk_scaling_factor",

@@ -1,9 +1,11 @@
-"""The model flags of Mamba-2 layers (the `M` of --hybrid-layer-pattern; Nemotron-H, Nemotron 3): a section of
-ModelConfig kept in a file of its own, with Megatron-Core's names."""
+"""Mamba-2 layers (the `M` of --hybrid-layer-pattern; Nemotron-H, Nemotron 3) as the configuration knows them:
+their flags, with Megatron-Core's names, and their checks at a layout (the model's side: model/kinds/mamba.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megatron_lite.config.kinds.kind import ConfigKind
 
 
 @dataclass
@@ -19,7 +21,7 @@ class MambaConfig:
     mamba-head-dim"""
 
 
-def mamba_problems(config) -> list[str]:
+def _problems(config) -> list[str]:
     """One line per problem with the Mamba-2 sizes at this layout, where the pattern has M layers."""
     m, p = config.model, config.parallel
     if "M" not in (m.hybrid_layer_pattern or ""):
@@ -44,3 +46,9 @@ def mamba_problems(config) -> list[str]:
     if m.fp8_format is not None:
         problems.append("--fp8-format does not apply to Mamba-2 layers (M) yet; drop it or the M layers")
     return problems
+
+
+KIND = ConfigKind("Mamba-2", "mixer", "megatron_lite.model.kinds.mamba", symbol="M", described="Mamba-2", alone=True,
+                  pattern_only=True, section=MambaConfig, problems=_problems,
+                  minimums=dict.fromkeys(("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"),
+                                         1))
