@@ -90,7 +90,7 @@ EXAMPLES = {
     "G-G-|G-*-/*-": {**LINEAR},
     "+E+E|+E+E/+E": {**MLA, "num_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2},
     "*-*-|*-*E": {"num_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2},
-    "M-M-|M-M*-": {**MAMBA},
+    "M-M-|M-M*-/MM/MM": {**MAMBA},
     "MEM*E|MME": {**MAMBA, "num_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2},
 }
 LAYOUTS = {"pp2": {"pipeline_model_parallel_size": 2}, "tp2": {"tensor_model_parallel_size": 2},
@@ -128,7 +128,7 @@ def test_uneven_and_virtual_stages_of_a_pattern_train_as_one_process():
     ({"hybrid_layer_pattern": "*-*-", "num_layers": 3}, r"--num-layers 3 disagrees .* 2 layers \(4 symbols\)"),
     ({"hybrid_layer_pattern": "*-*E", "num_experts": 4, "moe_layer_freq": 1}, r"--moe-layer-freq 1 disagrees"),
     ({"hybrid_layer_pattern": "*-*-/*-", "mtp_num_layers": 2}, r"--mtp-num-layers 2 disagrees .* 1 prediction"),
-    ({"hybrid_layer_pattern": "*-*E/*-", "num_experts": 4}, r"of the last decoder layer's kind here \(\*E\)"),
+    ({"hybrid_layer_pattern": "*-*-/*-/*E", "num_experts": 4}, r"the multi-token prediction depths are alike"),
     ({"hybrid_layer_pattern": "*-+-"}, r"mixes softmax attention \(\*\) and multi-latent attention \(\+\)"),
     ({"hybrid_layer_pattern": "*-|*-|*-", "pipeline_model_parallel_size": 2},
      r"has 3 pipeline segments \(\|\); with --pipeline-model-parallel-size 2"),
@@ -139,3 +139,24 @@ def test_uneven_and_virtual_stages_of_a_pattern_train_as_one_process():
 def test_a_pattern_that_cannot_be_built_or_disagrees_with_a_flag_is_one_line(values, message):
     with pytest.raises(ConfigError, match=message):
         make_config({"model_preset": "llama-tiny", "mock_data": True, **values}, 2)
+
+
+def test_a_prediction_depth_of_several_layers_is_built_counted_and_refused_by_hugging_face_in_one_line():
+    """"*-*-/*-*-/*-*-": each of the two depths holds two layers, numbered after the decoder's depth by depth; the
+    planner's parameter shapes are the built model's; no Hugging Face family stores such a depth."""
+    from megatron_lite.config.layer_split import model_chunk_plans
+    from megatron_lite.hf.configs import ConversionError
+    from megatron_lite.hf.weights import hf_shapes
+    from megatron_lite.planning.state_memory import chunk_params
+
+    values = {k: v for k, v in TINY_2_LAYERS.items() if k != "num_layers"}
+    config = make_config({**values, "hybrid_layer_pattern": "*-*-/*-*-/*-*-"})
+    assert config.model.mtp_num_layers == 2
+    model = build_model_chunk(config, ParallelState.single())
+    names = [name for name, _ in model.named_global_parameters()]
+    assert "mtp.layers.1.transformer_layers.1.mlp.linear_fc2.weight" in names
+    assert [layer.layer_number for depth in model.mtp.layers for layer in depth.depth_layers] == [2, 3, 4, 5]
+    assert [s.numel for s in chunk_params(config, model_chunk_plans(config, 0)[0])] == \
+        [p.numel() for p in model.parameters()]
+    with pytest.raises(ConversionError, match="multi-token prediction depths of 2 layers are not stored"):
+        hf_shapes("deepseek_v3", config.model)

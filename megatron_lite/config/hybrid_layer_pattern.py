@@ -8,7 +8,8 @@ One symbol per sublayer, each with its own pre-norm and residual, as in Megatron
 
 A mixer symbol and the MLP symbol after it make one transformer layer here (a GPT layer is "*-"), so a pattern
 builds the network its flags would, with the same parameter names: "G-G-|G-*-/*-" is four layers (three Gated
-DeltaNet, then softmax attention; dense MLPs) over two pipeline stages, and one MTP depth of the last layer's kind.
+DeltaNet, then softmax attention; dense MLPs) over two pipeline stages, and one MTP depth of one softmax-attention
+layer. Megatron repeats one depth's pattern: "M-M-|M-M*-/MM/MM" has two depths of two Mamba-2 layers each.
 A Mamba-2 mixer (M) not followed by an MLP is a layer of its own, as in Nemotron-H ("M-M*-" is three layers: M-,
 M, *-) and pure Mamba-2 models ("MMMM"). Megatron's D (DeepSeek sparse attention) is not built by this version,
 nor another mixer without its MLP or an MLP without its mixer; each is refused with one line.
@@ -53,7 +54,7 @@ class Layer(NamedTuple):
 
 class HybridPattern(NamedTuple):
     segments: tuple[tuple[Layer, ...], ...]  # the decoder's layers, by `|` segment
-    depths: tuple[Layer, ...]  # one layer per multi-token prediction depth
+    depths: tuple[tuple[Layer, ...], ...]  # the layers of each multi-token prediction depth (all alike)
 
     @property
     def layers(self) -> list[Layer]:
@@ -101,14 +102,12 @@ def parse_hybrid_layer_pattern(text: str) -> HybridPattern:
         if STAGE in depth:
             raise LayerPatternError("| belongs to the decoder's part, before the first /")
         layers = _layers(depth)
-        if len(layers) != 1:
-            raise LayerPatternError(f"each multi-token prediction depth holds one layer here; {depth!r} holds "
-                                    f"{len(layers)}")
-        parsed_depths.append(layers[0])
-    last = segments[-1][-1]
-    if any(depth != last for depth in parsed_depths):
-        raise LayerPatternError(f"each multi-token prediction depth is of the last decoder layer's kind here "
-                                f"({last.mixer}{last.mlp or ''})")
+        if not layers:
+            raise LayerPatternError("every multi-token prediction depth after / needs a layer")
+        parsed_depths.append(layers)
+    if any(depth != parsed_depths[0] for depth in parsed_depths):
+        raise LayerPatternError(f"the multi-token prediction depths are alike (Megatron repeats one depth's pattern); "
+                                f"write {depths[0]!r} after each /")
     return HybridPattern(segments, tuple(parsed_depths))
 
 
@@ -160,11 +159,13 @@ def _per_layer_problems(config: Config, pattern: HybridPattern, given: set[str],
     m = config.model
     layers = pattern.layers
     moe, linear = [layer.mlp == "E" for layer in layers], [layer.mixer == "G" for layer in layers]
-    mixers = {layer.mixer for layer in layers}
+    every_layer = layers + [layer for depth in pattern.depths for layer in depth]
+    mixers = {layer.mixer for layer in every_layer}
+    any_moe = any(layer.mlp == "E" for layer in every_layer)
     problems = []
-    if any(moe) and not m.num_experts:
+    if any_moe and not m.num_experts:
         problems.append(f"{flag} has MoE layers (E): give --num-experts")
-    if not any(moe) and m.num_experts:
+    if not any_moe and m.num_experts:
         problems.append(f"--num-experts acts only in MoE layers and {flag} has none (E); drop --num-experts")
     for name, wanted, parse, active in (("moe_layer_freq", moe, parse_moe_layer_freq, any(moe)),
                                         ("linear_attention_freq", linear, parse_interleaved_freq, any(linear))):

@@ -47,11 +47,23 @@ def layer_specs(config: ModelConfig) -> list[LayerSpec]:
     return specs
 
 
+def depth_layer_specs(config: ModelConfig, decoder: list[LayerSpec] | None = None) -> list[LayerSpec]:
+    """The specs of the layers of one multi-token prediction depth: those the pattern writes after each /, else one
+    layer of the last decoder layer's kind, as Megatron builds it from the last layer's spec."""
+    decoder = layer_specs(config) if decoder is None else decoder
+    pattern = parse_hybrid_layer_pattern(config.hybrid_layer_pattern) if config.hybrid_layer_pattern else None
+    if pattern is None or not pattern.depths or list(pattern.depths[0]) == pattern.layers[-1:]:
+        return decoder[-1:]
+    kinds_by_symbol = kinds.BY_SYMBOL
+    return [LayerSpec(kinds_by_symbol[layer.mixer].name, kinds_by_symbol[layer.mlp].name if layer.mlp else NO_MLP)
+            for layer in pattern.depths[0]]
+
+
 def numbered_layer_specs(config: ModelConfig) -> list[LayerSpec]:
-    """The spec of every numbered layer: the decoder's, then one per multi-token prediction depth (numbered after
-    the decoder's), each of the last decoder layer's kind, as Megatron builds it."""
+    """The spec of every numbered layer: the decoder's, then those of each multi-token prediction depth (numbered
+    after the decoder's, depth by depth)."""
     specs = layer_specs(config)
-    return specs + specs[-1:] * (config.mtp_num_layers or 0)
+    return specs + depth_layer_specs(config, specs) * (config.mtp_num_layers or 0)
 
 
 def layer_spec(config: ModelConfig, layer_number: int) -> LayerSpec:

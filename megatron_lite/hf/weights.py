@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_lite.config.layer_specs import LayerSpec, layer_spec, layer_specs
+from megatron_lite.config.layer_specs import LayerSpec, depth_layer_specs, layer_spec, layer_specs
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.hf.configs import ConversionError
 from megatron_lite.hf.families import FAMILIES
@@ -72,6 +72,10 @@ def units(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[Unit
         yield [(rule, {})]
     for layer in layers(range(m.num_layers)):
         yield expand(table.layer(specs[layer]), {"layer": layer, **(table.blocks(layer) if table.blocks else {})})
+    depth_specs = depth_layer_specs(m)
+    if m.mtp_num_layers and len(depth_specs) > 1:
+        raise ConversionError(f"multi-token prediction depths of {len(depth_specs)} layers are not stored by Hugging "
+                              f"Face families here (each stores one layer per depth)")
     for depth in range(m.mtp_num_layers or 0):
         layer = m.num_layers + depth  # where the module is stored, and the global number of its layer
         yield expand(_mtp_rules(table, layer_spec(m, layer)), {"layer": layer, "depth": depth})

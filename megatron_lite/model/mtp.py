@@ -4,10 +4,11 @@ Module k (1..D) runs after the last transformer layer on the last pipeline stage
 previous depth's hidden state h^{k-1}_i (h^0: the decoder's output after its final norm) and the embedding of
 token i + k, normalises each with an RMSNorm (LayerNorm under --normalization LayerNorm) of its own, projects
 their concatenation [enorm(emb); hnorm(h)] from 2h to h (`eh_proj`, Megatron's and vLLM's order; the paper
-writes the two halves the other way round, the same model with M_k's columns swapped), runs one transformer
-layer and a final norm, and predicts token i + k + 1 with the shared output layer. Embedding and output layer
-are the main model's: under pipeline parallelism the last stage holds a copy of the word (and position)
-embedding table, kept equal to the first stage's as tied embeddings are (GPTModel.shared_embedding_parameters).
+writes the two halves the other way round, the same model with M_k's columns swapped), runs its transformer
+layer (or the layers a --hybrid-layer-pattern writes after each /, such as Megatron's "/MM") and a final norm,
+and predicts token i + k + 1 with the shared output layer. Embedding and output layer are the main model's: under
+pipeline parallelism the last stage holds a copy of the word (and position) embedding table, kept equal to the
+first stage's as tied embeddings are (GPTModel.shared_embedding_parameters).
 
 Loss. Depth k's targets are the labels shifted k further left, its loss mask the mask shifted with them; the
 last k positions of the sequence have no target and are masked (Megatron's roll_tensor with zero fill; the
@@ -28,16 +29,18 @@ over the D depths, both before the scaling factor (Megatron logs `mtp_<k> loss` 
 micro-batch means, which is the same figure when no loss mask leaves micro-batches unequal).
 
 The modules run only when the model trains: evaluation reports the language-model loss alone, and
-generation (no labels) never reaches them. Each module's transformer layer is numbered after the decoder's and
-has the last decoder layer's kind of MLP (as Megatron builds it from the last layer's spec: an
-MoE layer in DeepSeek-V3, whose router statistics and expert bias are kept under that number); it is not
-recomputed under --recompute-granularity full.
+generation (no labels) never reaches them. Each module's layers are numbered after the decoder's, depth by depth,
+and are of the last decoder layer's kind unless the pattern says otherwise (config/layer_specs.py
+depth_layer_specs; as Megatron builds it from the last layer's spec: an MoE layer in DeepSeek-V3, whose router
+statistics and expert bias are kept under that number); they are not recomputed under --recompute-granularity
+full. A depth of one layer holds it as `transformer_layer`, one of several as `transformer_layers`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_lite.config.layer_specs import depth_layer_specs
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.model.attention.context_parallel import load_balanced_indices
 from megatron_lite.model.loss_scaling import auxiliary_loss_weight
@@ -82,12 +85,17 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         self.enorm = Norm(config, sequence_parallel)
         self.hnorm = Norm(config, sequence_parallel)
         self.eh_proj = ColumnParallelLinear(2 * h, h, pstate, bias=False, sequence_parallel=sequence_parallel)
-        # numbered after the decoder's layers, so its FP8 choice treats it as one of the last layers and its MLP
-        # is of the last layer's kind (an MoE layer's statistics are kept under this number)
-        number = config.num_layers + depth - 1
-        self.transformer_layer = TransformerLayer(config, pstate, number, sequence_parallel=sequence_parallel,
-                                                  attention_backend=attention_backend, rng_tracker=rng_tracker,
-                                                  cp_comm_type=cp_comm_type)
+        # numbered after the decoder's layers, so their FP8 choice treats them as the last layers and their kinds
+        # are the depth's specs (an MoE layer's statistics are kept under its number)
+        per_depth = len(depth_layer_specs(config))
+        layers = [TransformerLayer(config, pstate, config.num_layers + (depth - 1) * per_depth + i,
+                                   sequence_parallel=sequence_parallel, attention_backend=attention_backend,
+                                   rng_tracker=rng_tracker, cp_comm_type=cp_comm_type) for i in range(per_depth)]
+        if per_depth == 1:
+            self.transformer_layer = layers[0]
+        else:
+            self.transformer_layers = torch.nn.ModuleList(layers)
+        self.depth_layers = tuple(layers)  # in order, whichever name holds them
         self.final_layernorm = Norm(config, sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rotary) -> torch.Tensor:
@@ -96,7 +104,9 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         x = mappings.gather_from_tensor_parallel_region(x, self.tp_group)  # [s, b, h]
         if self.sequence_parallel:
             x = mappings.scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
-        return self.final_layernorm(self.transformer_layer(x, rotary))
+        for layer in self.depth_layers:
+            x = layer(x, rotary)
+        return self.final_layernorm(x)
 
 
 class MultiTokenPrediction(torch.nn.Module):

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config.layer_specs import ATTENTION, DENSE, LayerSpec, layer_spec, layer_specs
+from megatron_lite.config.layer_specs import ATTENTION, DENSE, LayerSpec, depth_layer_specs, layer_specs
 from megatron_lite.config.layer_split import model_chunk_plans
 from megatron_lite.config.sections import Config
 from megatron_lite.data.tokenizers import padded_vocab_size
@@ -127,15 +127,15 @@ def head_bytes(config: Config) -> tuple[int, int]:
 def mtp_bytes(config: Config) -> int:
     """Bytes one micro-batch saves in the multi-token prediction modules (model/mtp.py), 0 without them: per depth
     the shifted token ids and labels, its two input norms, the projection's input e 2h (the whole sequence under
-    sequence parallelism), a transformer layer of the last decoder layer's kind (never recomputed), and a head as
-    the main one's."""
+    sequence parallelism), its transformer layers (never recomputed; config/layer_specs.py depth_layer_specs), and a
+    head as the main one's."""
     m = config.model
     if not m.mtp_num_layers:
         return 0
     e = param_bytes(config)
     tokens, stream = micro_batch_tokens(config)
     per_depth = (2 * tokens * INDEX + 2 * stream * norm_bytes(config, e) + tokens * e * 2 * m.hidden_size
-                 + layer_bytes(config, layer_spec(m, m.num_layers))
+                 + sum(layer_bytes(config, spec) for spec in depth_layer_specs(m))
                  + head_bytes(config)[0])
     return m.mtp_num_layers * per_depth
 

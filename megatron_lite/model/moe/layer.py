@@ -208,7 +208,7 @@ def load_moe_statistics(model_chunks, saved: list[tuple]) -> None:
 
 def _numbered_layers(config: ModelConfig) -> int:
     """Decoder layers, then multi-token prediction layers: the global layer numbers in use."""
-    return config.num_layers + (config.mtp_num_layers or 0)
+    return len(numbered_layer_specs(config))
 
 
 def moe_layer_numbers(config: ModelConfig) -> list[int]:
