@@ -361,7 +361,8 @@ def assert_sends_pair_with_receives(results: list[dict], pp: int, v: int, m: int
 
 HF_VOCAB = 300
 HF_FAMILIES = ["llama", "llama_tied", "llama_rope_scaling", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe",
-               "qwen2_moe", "deepseek_v3", "deepseek_v3_no_q_latent", "nemotron_h", "nemotron_h_moe", "mamba2"]
+               "qwen2_moe", "deepseek_v3", "deepseek_v3_no_q_latent", "nemotron_h", "nemotron_h_moe",
+               "nemotron_h_latent", "mamba2"]
 # Scaled wavelengths from those below 64 / 4 (kept) through the band to 64 (interpolated) and above (divided)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -422,6 +423,11 @@ def hf_config(family: str):
         "nemotron_h_moe": lambda: transformers.NemotronHConfig(
             **nemotron, hybrid_override_pattern="MEM*EME", n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5),
+        # Nemotron 3 Super's: the routed experts in a latent of 24 (the router and the shared expert at 64)
+        "nemotron_h_latent": lambda: transformers.NemotronHConfig(
+            **nemotron, hybrid_override_pattern="M*E", n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=24,
             routed_scaling_factor=2.5),
         # four Mamba-2 blocks alone, the residual stream in fp32 (transformers' default) and tied tables
         "mamba2": lambda: transformers.Mamba2Config(

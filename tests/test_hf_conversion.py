@@ -32,7 +32,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 SEQ = 32
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MOE_FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_no_q_latent", "nemotron_h_moe"]
+MOE_FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_no_q_latent", "nemotron_h_moe",
+                "nemotron_h_latent"]
 def read_text(path) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read()

@@ -1,6 +1,7 @@
 """A Mamba-2 hybrid (Nemotron-H's form: Mamba-2 layers with and without an MLP, softmax attention) trains as one
 process under every parallel dimension: TP2 + SP, PP2 x VP2 by the pattern's | stages, CP2 (p2p and a2a), ZeRO-3,
-full and selective recomputation, and its MoE form with experts folded over EP2 beside TP2."""
+full and selective recomputation, and its MoE form (latent experts, a shared expert) with experts folded over EP2
+beside TP2."""
 
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ LAYOUTS = {  # on 2 ranks
     "cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
 }
 ZERO3 = {"use_distributed_optimizer": True, "data_parallel_sharding_strategy": "optim_grads_params"}
-# Nemotron 3's form: MoE layers after the Mamba-2 mixers and the attention, on 4 ranks, experts over EP2 with the
-# dense layers over TP2 and each expert whole (parallel folding)
+# Nemotron 3 Super's form: MoE layers after the Mamba-2 mixers and the attention, their routed experts in a latent
+# of 24 beside a shared expert, on 4 ranks: experts over EP2 with the dense layers over TP2 + SP and each expert
+# whole (parallel folding)
 HYBRID_MOE = {**HYBRID, "hybrid_layer_pattern": "MEM*E", "num_experts": 4, "moe_router_topk": 2,
-              "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.01}
+              "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.01, "moe_latent_size": 24,
+              "moe_shared_expert_intermediate_size": 48}
 FOLDED = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
           "expert_tensor_parallel_size": 1}
 

@@ -141,8 +141,10 @@ def _saved_bytes(module, x, skip) -> int:
 
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("shared", [{}, {"moe_shared_expert_intermediate_size": 48},
-                                    {"moe_shared_expert_intermediate_size": 48, "moe_shared_expert_gate": True}],
-                         ids=["routed", "shared", "gated_shared"])
+                                    {"moe_shared_expert_intermediate_size": 48, "moe_shared_expert_gate": True},
+                                    {"moe_latent_size": 24}, {"moe_latent_size": 24,
+                                                              "moe_shared_expert_intermediate_size": 48}],
+                         ids=["routed", "shared", "gated_shared", "latent", "latent_shared"])
 def test_planned_moe_bytes_per_token_are_what_autograd_saves(shared, bf16):
     """One process: the MoE layer's saved tensors (its input, the norm's output, included) at two sequence lengths,
     whose difference cancels what does not grow with the tokens."""

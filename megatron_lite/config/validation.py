@@ -53,6 +53,7 @@ _INT_MINIMUMS = {
     "seq_length": 1, "max_position_embeddings": 1, "vocab_size": 2, "make_vocab_size_divisible_by": 1,
     "num_experts": 1, "moe_router_topk": 1, "moe_ffn_hidden_size": 1, "moe_layer_freq": 1,
     "moe_router_num_groups": 1, "moe_router_group_topk": 1, "moe_shared_expert_intermediate_size": 1,
+    "moe_latent_size": 1,
     "recompute_num_layers": 1, "tensor_model_parallel_size": 1, "context_parallel_size": 1,
     "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
     "num_layers_per_virtual_pipeline_stage": 1,

@@ -4,15 +4,15 @@ they recognise and their name table.
 Every block of a Nemotron-H is one sublayer with its own RMSNorm and residual, its kind one symbol of
 hybrid_override_pattern (or one entry of layers_block_type): Mamba-2 mixers (M), attention without positional
 embeddings (*), squared-ReLU MLPs (-) and MoE layers (E: sigmoid-routed squared-ReLU experts with an expert bias,
-renormalized over the top k and scaled by routed_scaling_factor, and a shared expert). The pattern becomes
+renormalized over the top k and scaled by routed_scaling_factor, and a shared expert; with moe_latent_size, as in
+Nemotron 3 Super, the routed experts work in a latent the tokens are projected to and back from). The pattern becomes
 --hybrid-layer-pattern as it is: a mixer and the MLP after it are one of our layers (a Mamba-2 mixer with no MLP
 after it one alone), whose parts the name table finds in the blocks they are stored as (`{mixer}`, `{mlp}`). A
 Mamba-2 mixer's projection and convolution are laid out per group here (model/mamba/mixer.py), by HF over all
 groups part by part ([z, x, B, C, dt] and [x, B, C]).
 
-Refused with one line: biases, a latent projection around the experts (moe_latent_size), multi-token prediction
-modules (num_nextn_predict_layers, which transformers does not build), time-step limits, residuals kept in fp32,
-and the other activations and kernel sizes.
+Refused with one line: biases, multi-token prediction modules (num_nextn_predict_layers, which transformers does
+not build), time-step limits, residuals kept in fp32, and the other activations and kernel sizes.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ def _values(hf: dict) -> dict:
     refuse(tuple(float(x) if not isinstance(x, dict) else math.inf for x in limit) != (0.0, math.inf),
            f"time_step_limit {limit!r}")
     refuse(bool(hf.get("residual_in_fp32")), "residual_in_fp32")
-    refuse(hf.get("moe_latent_size") is not None, f"moe_latent_size {hf.get('moe_latent_size')} (a latent "
-                                                   f"projection around the experts)")
     refuse(bool(hf.get("num_nextn_predict_layers")), "multi-token prediction modules (num_nextn_predict_layers)")
     pattern = _pattern(hf)
     values = {"hybrid_layer_pattern": pattern, "hidden_size": required(hf, "hidden_size"),
@@ -74,6 +72,7 @@ def _values(hf: dict) -> dict:
         values.update(num_experts=required(hf, "n_routed_experts"), moe_router_topk=topk,
                       moe_ffn_hidden_size=required(hf, "moe_intermediate_size"),
                       moe_shared_expert_intermediate_size=required(hf, "moe_shared_expert_intermediate_size"),
+                      moe_latent_size=hf.get("moe_latent_size"),
                       moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                       moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                       moe_router_num_groups=groups if groups > 1 else None,
@@ -117,7 +116,8 @@ def _config(m: ModelConfig) -> dict:
                       moe_intermediate_size=m.moe_ffn_hidden_size,
                       moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size, n_shared_experts=1,
                       routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0, norm_topk_prob=True,
-                      n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1)
+                      n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1,
+                      moe_latent_size=m.moe_latent_size)
     return config
 
 
@@ -173,10 +173,15 @@ def _mlp(m: ModelConfig, routed: bool) -> list[Rule]:
     ours, theirs, h = "decoder.layers.{layer}.mlp.", "backbone.layers.{mlp}.mixer.", m.hidden_size
     if not routed:
         return _up_down(ours, theirs, m.ffn_hidden_size, h)
+    latent = m.moe_latent_size
+    projections = [] if latent is None else [
+        Rule(ours + "fc1_latent_proj", (theirs + "fc1_latent_proj.weight",), lambda m: ((latent, h),)),
+        Rule(ours + "fc2_latent_proj", (theirs + "fc2_latent_proj.weight",), lambda m: ((h, latent),))]
     return [Rule(ours + "router.weight", (theirs + "gate.weight",), lambda m: ((m.num_experts, h),)),
             Rule(ours + "router.expert_bias", (theirs + "gate.e_score_correction_bias",),
                  lambda m: ((m.num_experts,),)),
-            *_up_down(ours + "experts.{expert}.", theirs + "experts.{expert}.", m.moe_ffn_hidden_size, h),
+            *projections,
+            *_up_down(ours + "experts.{expert}.", theirs + "experts.{expert}.", m.moe_ffn_hidden_size, latent or h),
             *_up_down(ours + "shared_experts.", theirs + "shared_experts.", m.moe_shared_expert_intermediate_size, h)]
 
 

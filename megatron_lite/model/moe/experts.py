@@ -145,10 +145,11 @@ class ExpertMLP(torch.nn.Module):
     (`expert=True`: gradients reduced over the expert-data-parallel group; biases without --disable-bias-linear)
     or the shared one (no biases)."""
 
-    def __init__(self, config: ModelConfig, tp_size: int, ffn: int, *, expert: bool):
+    def __init__(self, config: ModelConfig, tp_size: int, ffn: int, *, expert: bool, width: int | None = None):
+        """`width`: what the MLP reads and writes (the hidden size, or a routed expert's latent)."""
         super().__init__()
         self.config = config
-        h, chunks = config.hidden_size, 2 if config.gated_linear_unit else 1
+        h, chunks = width or config.hidden_size, 2 if config.gated_linear_unit else 1
         biased = expert and not config.disable_bias_linear
         self.linear_fc1 = ExpertLinear(
             ShardSpec((chunks * ffn, h), tp_dim=0, tp_chunks=chunks, expert=expert), tp_size,
@@ -162,11 +163,11 @@ class ExpertMLP(torch.nn.Module):
 
 class GroupedExperts(torch.nn.ModuleList):
     """This rank's E / ep routed experts (ExpertMLPs, indexed as local experts, each split over `etp_size`
-    ranks, this rank `etp_rank` of them), run as grouped GEMMs."""
+    ranks, this rank `etp_rank` of them), run as grouped GEMMs, at hidden-size or --moe-latent-size."""
 
     def __init__(self, config: ModelConfig, etp_size: int, num_local_experts: int, etp_rank: int = 0):
-        super().__init__(ExpertMLP(config, etp_size, config.moe_ffn_hidden_size, expert=True)
-                         for _ in range(num_local_experts))
+        super().__init__(ExpertMLP(config, etp_size, config.moe_ffn_hidden_size, expert=True,
+                                   width=config.moe_latent_size) for _ in range(num_local_experts))
         self.config = config
         self.adds_output_bias = etp_rank == 0
 

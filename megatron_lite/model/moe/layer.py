@@ -28,6 +28,11 @@ parallelism is required, as Megatron requires it for MoE with TP.
 The local experts run as one grouped GEMM (experts.py), with biases without --disable-bias-linear. A shared expert
 (--moe-shared-expert-intermediate-size) is split over TP: with ETP = TP it runs on the region's tokens, so
 its partial sum joins the routed experts' before the one reduction; otherwise in a TP region of its own.
+With --moe-latent-size (Nemotron 3 Super) the routed experts work in a latent: this rank's tokens are projected
+down to it before they enter the expert region and the region's combined output back up after it leaves (both
+projections replicated over TP, their gradients partial sums over TP under sequence parallelism, as a norm's), so
+the dispatch moves latent-sized rows; the router and the shared expert, then in a TP region of its own, see the
+hidden state.
 Megatron's --moe-shared-expert-overlap runs the shared expert on a side stream while the all-to-all is in
 flight; the collectives here block (gloo, and NCCL on the compute stream), so there is nothing to overlap
 and the flag is not offered.
@@ -45,6 +50,7 @@ backward and are read, summed over ranks and reset by `moe_metrics` once per log
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from megatron_lite.config.layer_specs import numbered_layer_specs
 from megatron_lite.config.sections import ModelConfig
@@ -52,6 +58,7 @@ from megatron_lite.model.loss_scaling import auxiliary_loss_weight
 from megatron_lite.model.moe.experts import GroupedExperts, SharedExpertMLP
 from megatron_lite.model.moe.router import MoEAuxLossAutoScaler, RouterLosses, TopKRouter, capacity_keep_mask
 from megatron_lite.model.moe.token_dispatcher import TOKEN_DISPATCHERS
+from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 
@@ -81,6 +88,15 @@ class MoELayer(torch.nn.Module):
         self.experts = GroupedExperts(config, pstate.etp_size, config.num_experts // pstate.ep_size, pstate.etp_rank)
         self.shared_experts = (SharedExpertMLP(config, pstate.tp_size)
                                if config.moe_shared_expert_intermediate_size else None)
+        latent = config.moe_latent_size
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if latent is not None:
+            h = config.hidden_size
+            self.fc1_latent_proj = new_parameter(ShardSpec((latent, h), sequence_parallel=sequence_parallel), 1)
+            self.fc2_latent_proj = new_parameter(ShardSpec((h, latent), init="scaled_normal",
+                                                           sequence_parallel=sequence_parallel), 1)
+        # the shared expert joins the routed experts' partial sums inside the region, where they share its tokens
+        self.shared_in_region = not self.folded and latent is None
         self.token_dispatcher = TOKEN_DISPATCHERS[token_dispatcher](config.num_experts, pstate)
         # Since the last moe_metrics, in float64 on the model's device (None until the first backward):
         # micro-batches, this rank's shares of aux and z-loss, dropped token copies, tokens per expert.
@@ -99,14 +115,17 @@ class MoELayer(torch.nn.Module):
                                            auxiliary_loss_weight(losses.num_tokens),
                                            lambda: self._record_statistics(record))
         tokens = x.reshape(-1, x.shape[-1])
-        region_tokens, probs, indices, keep = self._enter_expert_region(tokens, probs, indices, keep)  # [T, .]
+        routed = tokens if self.fc1_latent_proj is None else F.linear(tokens, self.fc1_latent_proj)
+        region_tokens, probs, indices, keep = self._enter_expert_region(routed, probs, indices, keep)  # [T, .]
         expert_inputs, tokens_per_expert, handle = self.token_dispatcher.dispatch(region_tokens, probs, indices,
                                                                                   keep)
         output = self.token_dispatcher.combine(self.experts(expert_inputs, tokens_per_expert), handle)
-        if self.shared_experts is not None and not self.folded:
+        if self.shared_experts is not None and self.shared_in_region:
             output = output + self.shared_experts(region_tokens)  # [T, h] partial sums over TP = ETP
         output = self._leave_expert_region(output)
-        if self.shared_experts is not None and self.folded:
+        if self.fc2_latent_proj is not None:
+            output = F.linear(output, self.fc2_latent_proj)
+        if self.shared_experts is not None and not self.shared_in_region:
             output = output + self._shared_expert_output(tokens)
         return output.view(-1, *x.shape[1:])
 
@@ -158,9 +177,11 @@ class MoELayer(torch.nn.Module):
         return mappings.reduce_from_tensor_parallel_region(output, self.etp_group)
 
     def _shared_expert_output(self, tokens):
-        """The shared expert in a TP region of its own (folded layouts): [T_local, h] -> [T_local, h]."""
-        if not self.sequence_parallel:  # TP = 1 (folding under TP > 1 needs sequence parallelism)
-            return self.shared_experts(tokens)
+        """The shared expert in a TP region of its own (folded layouts, latent experts): [T_local, h] ->
+        [T_local, h]."""
+        if not self.sequence_parallel:  # the TP ranks hold the same tokens
+            partial = self.shared_experts(mappings.copy_to_tensor_parallel_region(tokens, self.tp_group))
+            return mappings.reduce_from_tensor_parallel_region(partial, self.tp_group)
         partial = self.shared_experts(mappings.gather_from_sequence_parallel_region(tokens, self.tp_group))
         return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
 
