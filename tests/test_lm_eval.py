@@ -105,8 +105,8 @@ def evaluate(model, model_args: str | None, task_dir: str, tasks=tuple(TASKS), l
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), log_samples=True,
-                                   task_manager=TaskManager(include_path=task_dir), batch_size=4,
-                                   bootstrap_iters=0, limit=limit)
+                                   task_manager=TaskManager(include_path=task_dir, include_defaults=False),
+                                   batch_size=4, bootstrap_iters=0, limit=limit)
 
 
 def test_harness_scores_equal_the_hf_models_on_the_export(models_and_tasks, hf_scores):
