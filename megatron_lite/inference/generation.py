@@ -45,9 +45,9 @@ class LayerKVCache:
 
 
 class LayerRecurrentState:
-    """One Gated DeltaNet layer's state after the tokens so far (model/linear_attention/gated_delta_net.py): the
-    delta rule's state [b, heads/tp, dk, dv] and the convolution's last kernel - 1 inputs [kernel - 1, b,
-    channels/tp]; None before the first token."""
+    """One recurrent layer's state after the tokens so far: a Gated DeltaNet's (model/linear_attention/) delta-rule
+    state [b, heads/tp, dk, dv] or a Mamba-2 mixer's (model/mamba/) scan state [b, heads/tp, p, n], and the
+    convolution's last kernel - 1 inputs [kernel - 1, b, channels/tp]; None before the first token."""
 
     def __init__(self):
         self.state: torch.Tensor | None = None
