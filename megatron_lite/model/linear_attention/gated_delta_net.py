@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_lite.config.sections import ModelConfig
-from megatron_lite.model.attention.context_parallel import heads_to_sequence, sequence_to_heads
 from megatron_lite.model.linear_attention.delta_rule import CHUNK_SIZE, chunk_gated_delta_rule
+from megatron_lite.model.recurrent_mixer import RecurrentMixer
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.short_convolution import causal_depthwise_conv, continued_depthwise_conv, document_starts
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -59,16 +59,12 @@ def _rule_output(q, k, v, g, beta, scale: float, resets, chunk_size: int) -> tor
     return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, resets=resets, chunk_size=chunk_size)[0]
 
 
-class GatedDeltaNet(torch.nn.Module):
-    """The token mixer of a linear-attention layer: [s, b, h] -> [s, b, h] (sequence slices under sequence
-    parallelism), called as softmax attention is, with the layer's positions (their documents are used)."""
-
-    keeps_recurrent_state = True  # generation gives it a LayerRecurrentState, not a KV cache
+class GatedDeltaNet(RecurrentMixer):
+    """The token mixer of a linear-attention layer (model/recurrent_mixer.py: its units are the key heads)."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool):
-        super().__init__()
+        super().__init__(config, pstate)
         tp = pstate.tp_size
-        self.cp_group, self.cp_size, self.cp_rank = pstate.group("cp"), pstate.cp_size, pstate.cp_rank
         self.key_heads = config.linear_num_key_heads // tp // self.cp_size  # those this rank computes
         self.values_per_key = config.linear_num_value_heads // config.linear_num_key_heads
         self.value_heads = self.key_heads * self.values_per_key
@@ -87,21 +83,6 @@ class GatedDeltaNet(torch.nn.Module):
         self.norm_weight = new_parameter(ShardSpec((self.value_dim,), init="ones", sequence_parallel=tp > 1), 1)
         self.out_proj = RowParallelLinear(heads * self.value_dim, config.hidden_size, pstate, bias=False,
                                           sequence_parallel=sequence_parallel)
-        self.recompute_core = config.recompute_granularity == "selective"
-
-    def forward(self, x: torch.Tensor, positions=None, recurrent_state=None) -> torch.Tensor:
-        ids = positions.documents.ids.to(x.device) if positions is not None and positions.documents else None
-        mixed = self.in_proj(x)  # [s, b, key heads/tp * per_key_head]
-        mixed = mixed.view(*mixed.shape[:2], -1, sum(self.split_sizes))
-        if self.cp_size > 1:  # [s/cp, b, heads/tp, ..] -> [s, b, heads/tp/cp, ..], the whole sequence
-            mixed = sequence_to_heads(mixed.transpose(0, 1), self.cp_group, self.cp_size).transpose(0, 1)
-        if self.recompute_core and recurrent_state is None and torch.is_grad_enabled():
-            gated = checkpoint(self._core, mixed, ids, None, use_reentrant=False)
-        else:
-            gated = self._core(mixed, ids, recurrent_state)
-        if self.cp_size > 1:  # back to this rank's tokens, with all its heads
-            gated = heads_to_sequence(gated.transpose(0, 1), self.cp_group, self.cp_size).transpose(0, 1)
-        return self.out_proj(gated.reshape(*gated.shape[:2], -1))
 
     def _core(self, mixed: torch.Tensor, ids: torch.Tensor | None, recurrent_state) -> torch.Tensor:
         """The projections' output [s, b, key heads, ..] -> the gated, normalised output of the delta rule [s, b,
@@ -109,7 +90,7 @@ class GatedDeltaNet(torch.nn.Module):
         s, b = mixed.shape[:2]
         q, k, v, z, write, decay = mixed.split(self.split_sizes, dim=-1)
         qkv = torch.cat([q, k, v], dim=-1).reshape(s, b, -1)
-        conv_weight, A_log, dt_bias = self._local_head_parameters()
+        conv_weight, A_log, dt_bias = self._context_parallel_share(self.conv1d_weight, self.A_log, self.dt_bias)
         if recurrent_state is None:
             qkv = causal_depthwise_conv(qkv, conv_weight, ids)
         else:
@@ -135,15 +116,3 @@ class GatedDeltaNet(torch.nn.Module):
         out = out.transpose(0, 1)  # [s, b, value heads, dv]
         normed = F.rms_norm(out.float(), (self.value_dim,), self.norm_weight.float(), self.eps)
         return (normed * F.silu(z.reshape(s, b, self.value_heads, self.value_dim).float())).to(mixed.dtype)
-
-    def _local_head_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolution's weight, A_log and dt_bias of the key heads this rank computes: all of its tensor-parallel
-        shard, or under context parallelism the cp rank's part of it (the parameters are whole on every cp rank;
-        each one's gradient reaches only its part, and the data-parallel reduction over cp sums them)."""
-        if self.cp_size == 1:
-            return self.conv1d_weight, self.A_log, self.dt_bias
-        channels = self.conv1d_weight.shape[0] // self.cp_size
-        heads = self.A_log.shape[0] // self.cp_size
-        return (self.conv1d_weight[self.cp_rank * channels:(self.cp_rank + 1) * channels],
-                self.A_log[self.cp_rank * heads:(self.cp_rank + 1) * heads],
-                self.dt_bias[self.cp_rank * heads:(self.cp_rank + 1) * heads])

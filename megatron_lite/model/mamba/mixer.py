@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_lite.config.sections import ModelConfig
-from megatron_lite.model.attention.context_parallel import heads_to_sequence, sequence_to_heads
 from megatron_lite.model.mamba.ssd import CHUNK_SIZE, ssd_chunked
+from megatron_lite.model.recurrent_mixer import RecurrentMixer
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.short_convolution import causal_depthwise_conv, continued_depthwise_conv, document_starts
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -62,16 +62,12 @@ def _scan(x, dt, A, B, C, D, resets, chunk_size: int) -> torch.Tensor:
     return ssd_chunked(x, dt, A, B, C, D, resets=resets, chunk_size=chunk_size)[0]
 
 
-class Mamba2Mixer(torch.nn.Module):
-    """The token mixer of a Mamba-2 layer: [s, b, h] -> [s, b, h] (sequence slices under sequence parallelism),
-    called as softmax attention is, with the layer's positions (their documents are used)."""
-
-    keeps_recurrent_state = True  # generation gives it a LayerRecurrentState, not a KV cache
+class Mamba2Mixer(RecurrentMixer):
+    """The token mixer of a Mamba-2 layer (model/recurrent_mixer.py: its units are the groups)."""
 
     def __init__(self, config: ModelConfig, pstate: ParallelState, *, sequence_parallel: bool):
-        super().__init__()
+        super().__init__(config, pstate)
         tp = pstate.tp_size
-        self.cp_group, self.cp_size, self.cp_rank = pstate.group("cp"), pstate.cp_size, pstate.cp_rank
         heads, groups = mamba_num_heads(config), config.mamba_num_groups
         self.groups = groups // tp // self.cp_size  # those this rank computes
         self.heads_per_group = heads // groups
@@ -92,21 +88,6 @@ class Mamba2Mixer(torch.nn.Module):
         self.out_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, pstate, bias=bias,
                                           sequence_parallel=sequence_parallel)
         self.eps = config.norm_epsilon
-        self.recompute_core = config.recompute_granularity == "selective"
-
-    def forward(self, x: torch.Tensor, positions=None, recurrent_state=None) -> torch.Tensor:
-        ids = positions.documents.ids.to(x.device) if positions is not None and positions.documents else None
-        mixed = self.in_proj(x)  # [s, b, groups/tp * per group]
-        mixed = mixed.view(*mixed.shape[:2], -1, sum(self.split_sizes))
-        if self.cp_size > 1:  # [s/cp, b, groups/tp, ..] -> [s, b, groups/tp/cp, ..], the whole sequence
-            mixed = sequence_to_heads(mixed.transpose(0, 1), self.cp_group, self.cp_size).transpose(0, 1)
-        if self.recompute_core and recurrent_state is None and torch.is_grad_enabled():
-            y = checkpoint(self._core, mixed, ids, None, use_reentrant=False)
-        else:
-            y = self._core(mixed, ids, recurrent_state)
-        if self.cp_size > 1:  # back to this rank's tokens, with all its groups
-            y = heads_to_sequence(y.transpose(0, 1), self.cp_group, self.cp_size).transpose(0, 1)
-        return self.out_proj(y.reshape(*y.shape[:2], -1))
 
     def _core(self, mixed: torch.Tensor, ids: torch.Tensor | None, recurrent_state) -> torch.Tensor:
         """The projection's output [s, b, groups, ..] -> the gated, normalised scan output [s, b, groups, heads of
@@ -114,7 +95,8 @@ class Mamba2Mixer(torch.nn.Module):
         s, b = mixed.shape[:2]
         z, xs, B, C, dt = mixed.split(self.split_sizes, dim=-1)
         xbc = torch.cat([xs, B, C], dim=-1).reshape(s, b, -1)
-        conv_weight, conv_bias, A_log, D, dt_bias, norm_weight = self._local_group_parameters()
+        conv_weight, conv_bias, A_log, D, dt_bias, norm_weight = self._context_parallel_share(
+            self.conv1d_weight, self.conv1d_bias, self.A_log, self.D, self.dt_bias, self.norm_weight)
         if recurrent_state is None:
             xbc = causal_depthwise_conv(xbc, conv_weight, ids)
         else:
@@ -137,13 +119,3 @@ class Mamba2Mixer(torch.nn.Module):
         y = y.transpose(0, 1).reshape(s, b, self.groups, -1).float() * F.silu(z.float())
         normed = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)  # over each group's channels
         return (normed * norm_weight.float().view(self.groups, -1)).to(mixed.dtype)
-
-    def _local_group_parameters(self) -> tuple[torch.Tensor, ...]:
-        """The convolution's weight and bias, A_log, D, dt_bias and the norm's weight of the groups this rank
-        computes: all of its tensor-parallel shard, or under context parallelism the cp rank's part of it (the
-        parameters are whole on every cp rank; each one's gradient reaches only its part, and the data-parallel
-        reduction over cp sums them)."""
-        params = (self.conv1d_weight, self.conv1d_bias, self.A_log, self.D, self.dt_bias, self.norm_weight)
-        if self.cp_size == 1:
-            return params
-        return tuple(p.view(self.cp_size, -1, *p.shape[1:])[self.cp_rank] for p in params)
