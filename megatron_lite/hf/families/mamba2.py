@@ -10,23 +10,16 @@ float rounding). Biases, time-step limits and other activations or kernel sizes 
 
 from __future__ import annotations
 
-import math
-
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.hf.configs import refuse, required
 from megatron_lite.hf.families.family import Family, refuse_network
-from megatron_lite.hf.families.nemotron_h import mamba_rules, stored_blocks
+from megatron_lite.hf.families.nemotron_h import mamba_rules, refuse_other_mixers, stored_blocks
 from megatron_lite.hf.name_tables import VOCAB_ROWS, NameTable, Rule, output_layer
 
 
 def _values(hf: dict) -> dict:
     refuse(bool(hf.get("use_bias")), "a mamba2 with biases")
-    refuse(not hf.get("use_conv_bias", True), "a mamba2 convolution without a bias")
-    refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
-    refuse(hf.get("conv_kernel", 4) != 4, f"conv_kernel {hf.get('conv_kernel')} (this version builds 4)")
-    limit = hf.get("time_step_limit") or (0.0, math.inf)
-    refuse(tuple(float(x) if not isinstance(x, dict) else math.inf for x in limit) != (0.0, math.inf),
-           f"time_step_limit {limit!r}")
+    refuse_other_mixers(hf, "hidden_act")
     hidden, heads, head_dim = required(hf, "hidden_size"), required(hf, "num_heads"), required(hf, "head_dim")
     refuse(int(hf.get("expand", 2) * hidden) != heads * head_dim,
            f"expand x hidden_size ({hf.get('expand', 2)} x {hidden}) other than num_heads x head_dim")

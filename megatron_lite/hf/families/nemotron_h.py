@@ -41,16 +41,23 @@ def _pattern(hf: dict) -> str:
     return "".join(_BLOCK_TYPES[kind] for kind in types)
 
 
-def _values(hf: dict) -> dict:
-    refuse(any(hf.get(key) for key in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias")),
-           "a nemotron_h with biases")
-    refuse(not hf.get("use_conv_bias", True), "a nemotron_h convolution without a bias")
-    refuse(hf.get("mlp_hidden_act", "relu2") != "relu2", f"mlp_hidden_act {hf.get('mlp_hidden_act')!r}")
-    refuse(hf.get("mamba_hidden_act", "silu") != "silu", f"mamba_hidden_act {hf.get('mamba_hidden_act')!r}")
+def refuse_other_mixers(hf: dict, activation_key: str) -> None:
+    """One line for a Mamba-2 mixer this version does not build (Nemotron-H's and Mamba-2's keys): a convolution
+    without a bias or of another width, an activation other than SiLU (`activation_key`), a time-step limit."""
+    model_type = hf.get("model_type")
+    refuse(not hf.get("use_conv_bias", True), f"a {model_type} convolution without a bias")
+    refuse(hf.get(activation_key, "silu") != "silu", f"{activation_key} {hf.get(activation_key)!r}")
     refuse(hf.get("conv_kernel", 4) != 4, f"conv_kernel {hf.get('conv_kernel')} (this version builds 4)")
     limit = hf.get("time_step_limit") or (0.0, math.inf)
     refuse(tuple(float(x) if not isinstance(x, dict) else math.inf for x in limit) != (0.0, math.inf),
            f"time_step_limit {limit!r}")
+
+
+def _values(hf: dict) -> dict:
+    refuse(any(hf.get(key) for key in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias")),
+           "a nemotron_h with biases")
+    refuse(hf.get("mlp_hidden_act", "relu2") != "relu2", f"mlp_hidden_act {hf.get('mlp_hidden_act')!r}")
+    refuse_other_mixers(hf, "mamba_hidden_act")
     refuse(bool(hf.get("residual_in_fp32")), "residual_in_fp32")
     refuse(bool(hf.get("num_nextn_predict_layers")), "multi-token prediction modules (num_nextn_predict_layers)")
     pattern = _pattern(hf)
