@@ -14,14 +14,11 @@ final loss. Appends the figures with date, machine and command to benchmarks/res
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
 import torch
 
-from benchmarks.mixer_runs import time_in_turn, train
-from benchmarks.results_file import record_result
+from benchmarks.mixer_runs import compare, time_in_turn
 
 LINEAR = {"experimental_attention_variant": "gated_delta_net", "linear_attention_freq": 4,
           "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 32,
@@ -50,21 +47,7 @@ def time_rules(seq_length: int, heads: int, repeats: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-length", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=12)
-    args = parser.parse_args(argv[1:])
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    rule = time_rules(args.seq_length, args.heads, args.repeats)
-    print("rule", rule, flush=True)
-    runs = {"hybrid": train(LINEAR, args.iters, args.seq_length), "softmax": train({}, args.iters, args.seq_length)}
-    print("training", runs, flush=True)
-    record_result("gated_delta_net", {"seq_length": args.seq_length, "heads": args.heads, "rule": rule,
-                                      "training": runs, "hybrid_over_softmax_tokens_per_sec":
-                                          runs["hybrid"]["tokens_per_sec"] / runs["softmax"]["tokens_per_sec"]},
-                  argv)
+    compare(argv, __doc__.splitlines()[0], "gated_delta_net", "rule", time_rules, LINEAR, {})
 
 
 if __name__ == "__main__":

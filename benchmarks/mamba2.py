@@ -14,15 +14,12 @@ first, and the final loss. Appends the figures with date, machine and command to
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.mixer_runs import time_in_turn, train
-from benchmarks.results_file import record_result
+from benchmarks.mixer_runs import compare, time_in_turn
 
 MAMBA = {"mamba_num_heads": 8, "mamba_head_dim": 32, "mamba_num_groups": 2, "mamba_state_dim": 64}
 
@@ -48,22 +45,9 @@ def time_scans(seq_length: int, heads: int, repeats: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-length", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=12)
-    args = parser.parse_args(argv[1:])
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    scan = time_scans(args.seq_length, args.heads, args.repeats)
-    print("scan", scan, flush=True)
-    runs = {"hybrid": train({**MAMBA, "num_layers": None, "hybrid_layer_pattern": "M-M-M-*-"}, args.iters,
-                            args.seq_length),
-            "softmax": train({"num_layers": None, "hybrid_layer_pattern": "*-*-*-*-"}, args.iters, args.seq_length)}
-    print("training", runs, flush=True)
-    record_result("mamba2", {"seq_length": args.seq_length, "heads": args.heads, "scan": scan, "training": runs,
-                             "hybrid_over_softmax_tokens_per_sec":
-                                 runs["hybrid"]["tokens_per_sec"] / runs["softmax"]["tokens_per_sec"]}, argv)
+    compare(argv, __doc__.splitlines()[0], "mamba2", "scan", time_scans,
+            {**MAMBA, "num_layers": None, "hybrid_layer_pattern": "M-M-M-*-"},
+            {"num_layers": None, "hybrid_layer_pattern": "*-*-*-*-"})
 
 
 if __name__ == "__main__":

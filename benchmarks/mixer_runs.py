@@ -49,3 +49,31 @@ def train(values: dict, iters: int, seq_length: int) -> dict:
         with open(metrics) as f:
             rates = [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
     return {"tokens_per_sec": statistics.median(rates[1:]), "final_loss": history[-1]["lm_loss"]}
+
+
+def compare(argv: list[str], description: str, name: str, core: str, time_core: Callable, hybrid: dict,
+            softmax: dict) -> None:
+    """The command line both benchmarks take (--seq-length, --heads, --repeats, --iters): `time_core(seq_length,
+    heads, repeats)` recorded under `core`, then training runs of the `hybrid` and `softmax` values; the figures
+    appended to benchmarks/results/<name>.jsonl."""
+    import argparse
+
+    import torch
+
+    from benchmarks.results_file import record_result
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=12)
+    args = parser.parse_args(argv[1:])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    timed = time_core(args.seq_length, args.heads, args.repeats)
+    print(core, timed, flush=True)
+    runs = {label: train(values, args.iters, args.seq_length) for label, values in (("hybrid", hybrid),
+                                                                                  ("softmax", softmax))}
+    print("training", runs, flush=True)
+    record_result(name, {"seq_length": args.seq_length, "heads": args.heads, core: timed, "training": runs,
+                         "hybrid_over_softmax_tokens_per_sec":
+                             runs["hybrid"]["tokens_per_sec"] / runs["softmax"]["tokens_per_sec"]}, argv)
