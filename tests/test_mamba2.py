@@ -250,6 +250,7 @@ def test_presets_have_the_published_shapes_and_parameter_counts(preset):
                                                       r"mamba-head-dim \(48\)"),
     ({"fp8_format": "e4m3"}, r"--fp8-format does not apply to Mamba-2 layers \(M\) yet"),
     ({"hybrid_layer_pattern": None, "num_layers": 2}, r"--mamba-num-groups acts only with --hybrid-layer-pattern"),
+    ({"hybrid_layer_pattern": "*-*-"}, r"--mamba-num-groups acts only with --hybrid-layer-pattern writing M layers"),
 ])
 def test_mamba_sizes_that_cannot_be_built_are_one_line_before_a_model_exists(values, message):
     base = {**TINY_2_LAYERS, "num_layers": None, "hybrid_layer_pattern": "M-M*-", "hidden_size": 64,

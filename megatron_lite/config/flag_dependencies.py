@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_lite.config.kinds import SECTIONS
+from megatron_lite.config.kinds import KINDS
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -63,6 +63,22 @@ class Excludes:
 
     def holds(self, settings: dict) -> bool:
         return settings[self.flag] in (None, False, [])
+
+
+@dataclass(frozen=True)
+class PatternPlaces(Needs):
+    """The flag acts only when --hybrid-layer-pattern writes `symbol`: the flags of a kind only the pattern places
+    (config/kinds/)."""
+
+    symbol: str = ""
+
+    def _on(self, value) -> bool:
+        return self.symbol in (value or "")
+
+
+def pattern_places(symbol: str) -> PatternPlaces:
+    return PatternPlaces(("hybrid_layer_pattern",), says_instead=f"--hybrid-layer-pattern writing {symbol} layers",
+                         symbol=symbol)
 
 
 @dataclass(frozen=True)
@@ -136,7 +152,8 @@ RULES: dict[str, tuple[Needs | AnyOf | Excludes, ...]] = {
     **{name: (_LINEAR_ATTENTION,) for name in ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
                                                "linear_value_head_dim", "linear_num_key_heads",
                                                "linear_num_value_heads")},
-    **{f.name: (needs("hybrid_layer_pattern"),) for section in SECTIONS for f in dataclasses.fields(section)},
+    **{f.name: (pattern_places(kind.symbol),) for kind in KINDS if kind.section
+       for f in dataclasses.fields(kind.section)},
     "window_attn_skip_freq": (needs("window_size"),),
     "moe_router_pre_softmax": (_MOE, needs("moe_router_score_function", values=("softmax",))),
     "moe_router_enable_expert_bias": (_MOE, needs("moe_router_score_function", values=("sigmoid",))),
