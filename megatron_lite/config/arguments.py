@@ -54,6 +54,8 @@ _CHOICES = {
     "fp8_format": ["e4m3", "hybrid"],
     "fp8_recipe": ["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"],
     "optimizer": ["adam", "muon"],
+    "sft_tokenizer_prompt_format": ["chatml", "nemotron-h-aligned", "nemotron-nano-v2"],
+    "sft_long_conversations": ["truncate", "drop"],
     "muon_scale_mode": ["spectral", "unit_rms_norm", "shape_scaling"],
     "muon_coefficient_type": ["simple", "quintic", "polar_express", "aol"],
     "muon_tp_mode": ["duplicated", "distributed", "blockwise"],

@@ -229,6 +229,8 @@ RULES: dict[str, tuple[Needs | AnyOf | Excludes, ...]] = {
     "memory_snapshot_path": (needs("record_memory_history"),),
     "straggler_minmax_count": (needs("log_straggler"),),
     "eval_task_limit": (needs("eval_tasks"),),
+    "sft": (_CORPUS, Excludes("reset_position_ids"), Excludes("reset_attention_mask"), Excludes("eod_mask_loss")),
+    **{name: (needs("sft"),) for name in ("sft_tokenizer_prompt_format", "sft_long_conversations")},
 }
 
 # Flags that mean the same whatever else is given.

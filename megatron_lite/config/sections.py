@@ -13,6 +13,7 @@ from megatron_lite.config.attention_variants import AttentionVariantsConfig
 from megatron_lite.config.fault_tolerance import FaultToleranceConfig
 from megatron_lite.config.kinds import SECTIONS
 from megatron_lite.config.moe import MoEConfig
+from megatron_lite.config.sft import SFTConfig
 from megatron_lite.data.samplers import rampup_global_batch_size
 
 
@@ -330,7 +331,7 @@ class OptimizerConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(SFTConfig):
     data_path: list[str] = field(default_factory=list)
     """[WEIGHT] PREFIX ... of .bin/.idx corpora (tools/preprocess_data.py), blended by weight and split by --split"""
     data_args_path: str | None = None

@@ -24,6 +24,7 @@ from megatron_lite.config.moe_validation import expert_layout_problems
 from megatron_lite.config.mtp_validation import mtp_problems
 from megatron_lite.config.muon_validation import muon_problems
 from megatron_lite.config.schedules import schedule_problems
+from megatron_lite.config.sft import sft_problems
 from megatron_lite.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -309,6 +310,7 @@ def _run_problems(config: Config) -> list[str]:
         problems.append(f"min-lr ({o.min_lr}) must not exceed lr ({o.lr})")
     problems += _optimizer_problems(config)
     problems += _document_problems(config)
+    problems += sft_problems(config)
     problems += fault_tolerance_problems(config)
     if t.hang_timeout_seconds and t.hang_timeout_seconds >= 60 * t.distributed_timeout_minutes:
         problems.append(f"--hang-timeout-seconds ({t.hang_timeout_seconds:g}) must be below the process-group "
@@ -354,17 +356,18 @@ def _raw_text_problems(config: Config) -> list[str]:
 
 
 def _document_problems(config: Config) -> list[str]:
-    """What --reset-attention-mask cannot run with: flash-attn (its varlen kernel is not wired in) and attention
-    dropout (FlexAttention, the CUDA path, has none)."""
+    """What --reset-attention-mask and --sft (a document per conversation) cannot run with: flash-attn (its varlen
+    kernel is not wired in) and attention dropout (FlexAttention, the CUDA path, has none)."""
     m, d = config.model, config.data
-    if not d.reset_attention_mask:
+    if not (d.reset_attention_mask or d.sft):
         return []
+    flag = "--reset-attention-mask" if d.reset_attention_mask else "--sft"
     problems = []
     if m.attention_backend == "flash":
-        problems.append("--reset-attention-mask runs through SDPA/FlexAttention, not flash-attn: use "
-                        "--attention-backend auto or sdpa")
+        problems.append(f"{flag} runs through SDPA/FlexAttention, not flash-attn: use "
+                        f"--attention-backend auto or sdpa")
     if m.attention_dropout > 0:
-        problems.append(f"attention-dropout ({m.attention_dropout}) must be 0 with --reset-attention-mask "
+        problems.append(f"attention-dropout ({m.attention_dropout}) must be 0 with {flag} "
                         f"(FlexAttention has no dropout); pass --attention-dropout 0")
     return problems
 

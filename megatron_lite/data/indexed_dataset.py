@@ -12,7 +12,8 @@ Megatron-LM and the reverse. `PREFIX.bin` is the raw token array. `PREFIX.idx` i
     int64[S]  sequence pointers, byte offsets into the .bin
     int64[D]  document indices: document k holds sequences [doc[k], doc[k+1])
 
-all little-endian. We write one sequence per document, so doc = [0, 1, ..., S].
+all little-endian. Pretraining data has one sequence per document, so doc = [0, 1, ..., S]; SFT data has a
+document per row of conversations, a sequence per conversation.
 Reading maps the .idx. The .bin is memory-mapped too by default, and sequences are numpy views
 of it; with `mmap_bin=False` (Megatron's --no-mmap-bin-files) each sequence is read from the file
 instead, for file systems where mapping is slow or not allowed.
@@ -295,6 +296,14 @@ class IndexedDatasetBuilder:
                              f"use a wider --dtype")
         self._bin.write(array.astype(self.dtype, copy=False).tobytes())
         self._sequence_lengths.append(int(array.size))
+        self._document_indices.append(len(self._sequence_lengths))
+
+    def add_row(self, sequences) -> None:
+        """Append one document made of several sequences (SFT: a row of conversations)."""
+        for sequence in sequences:
+            array = np.asarray(sequence)
+            self._bin.write(array.astype(self.dtype, copy=False).tobytes())
+            self._sequence_lengths.append(int(array.size))
         self._document_indices.append(len(self._sequence_lengths))
 
     def add_documents(self, tokens: bytes, lengths: np.ndarray) -> None:

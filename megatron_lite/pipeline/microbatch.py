@@ -24,7 +24,7 @@ class MicroBatchLosses:
 
     def __init__(self, model_chunk: torch.nn.Module, pstate, config, num_microbatches: int, *, loss_scale: float,
                  forward_only: bool):
-        per_token = config.training.calculate_per_token_loss
+        per_token = config.training.calculate_per_token_loss or config.data.sft  # SFT: per assistant token
         self.scaling = LossScaling(1.0 if forward_only else loss_scale, per_token, num_microbatches, pstate.cp_size)
         self.forward_only = forward_only
         self.cp_group = pstate.group("cp")

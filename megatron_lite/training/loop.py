@@ -148,6 +148,10 @@ def build_datasets(config: Config):
                 MockGPTDataset(test_n, m.seq_length, m.vocab_size, seed + 2))
     from megatron_lite.data import builder, raw_text
 
+    if d.sft:  # conversations, one packed row a sample
+        from megatron_lite.data.sft.builder import build_sft_datasets
+
+        return build_sft_datasets(config, (train_n, valid_n, 0), log=_log_on_first_rank)
     if raw_text.uses_raw_text(d):
         return raw_text.build_datasets(config, (train_n, valid_n, 0), _loader_workers(config))
     options = {"cache_dir": d.data_cache_path, "vocab_size": m.vocab_size, "mmap_bin_files": d.mmap_bin_files}
@@ -197,10 +201,18 @@ def _document_positions(is_eod: torch.Tensor) -> torch.Tensor:
     return index - start
 
 
+def _log_on_first_rank(line: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
+
+
 def _collate_fn(dataset, config: Config):
-    """_collate with --reset-position-ids, --reset-attention-mask and --eod-mask-loss, and the end-of-document
-    id they look for: the tokenizer's, or mock data's (MockGPTDataset.eod)."""
+    """SFT samples (already inputs, labels and masks) stacked as they are; else _collate with --reset-position-ids,
+    --reset-attention-mask and --eod-mask-loss, and the end-of-document id they look for: the tokenizer's, or mock
+    data's (MockGPTDataset.eod)."""
     d = config.data
+    if d.sft:
+        return torch.utils.data.default_collate
     if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
         return _collate
     eod = (dataset.eod if isinstance(dataset, MockGPTDataset)
@@ -261,9 +273,9 @@ def get_schedule(config: Config):
 
 
 def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> torch.Tensor:
-    """The global-batch mean of the 'lm loss' sums (NaN without tokens), computed on the last pipeline stage
-    and shared with the other stages so that every rank reports it; a 0-dim tensor on `device`. As in
-    Megatron, this token mean is the reported loss under either loss normalisation."""
+    """The global-batch mean of the 'lm loss' sums (0 without tokens: an SFT batch of prompts alone), computed on
+    the last pipeline stage and shared with the other stages so that every rank reports it; a 0-dim tensor on
+    `device`. As in Megatron, this token mean is the reported loss under either loss normalisation."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for report in reports:
         loss_sum, tokens = report["lm loss"]
@@ -271,7 +283,7 @@ def reduce_loss(reports: list[dict], pstate: ParallelState, device) -> torch.Ten
         totals[1] += tokens.double()
     mappings.all_reduce(totals, pstate.group("dp_cp"))
     mappings.broadcast(totals, pstate.pp_ranks[-1], pstate.group("pp"))
-    return totals[0] / totals[1]
+    return totals[0] / totals[1].clamp(min=1.0)
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer: Optimizer, config: Config,

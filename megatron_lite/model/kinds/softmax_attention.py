@@ -62,7 +62,8 @@ def softmax_attention_bytes(config: Config, materialised: bool) -> int:
     sinks = m.softmax_type != "vanilla"
     per_token = FP32 * nh * d + FP32 * nh * (keys + sinks) + e * nh * d + gate  # fp32 q, probabilities, output
     key_values = 2 * FP32 * nh * d * batch * keys  # fp32 k and v, repeated to the query heads
-    mask = tokens // batch * keys * (batch if config.data.reset_attention_mask else 1)  # bool, shared by the rows
+    per_row = config.data.reset_attention_mask or config.data.sft  # documents: a mask per row; else one for all
+    mask = tokens // batch * keys * (batch if per_row else 1)  # bool
     return tokens * per_token + key_values + mask
 
 
