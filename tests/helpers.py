@@ -178,7 +178,7 @@ _REFERENCES: dict = {}
 
 def reference(values: dict):
     """The single-device run of `values`, computed once per test session."""
-    key = tuple(sorted(values.items()))
+    key = repr(sorted(values.items()))  # values may hold lists (--data-path)
     if key not in _REFERENCES:
         _REFERENCES[key] = train_and_collect(values, 1)
     return _REFERENCES[key]

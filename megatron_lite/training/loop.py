@@ -202,7 +202,7 @@ def _document_positions(is_eod: torch.Tensor) -> torch.Tensor:
 
 
 def _log_on_first_rank(line: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(line, flush=True)
 
 

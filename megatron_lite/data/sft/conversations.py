@@ -156,7 +156,10 @@ def _messages(record: dict, layout: str, where: str) -> list[dict]:
                 {"role": "assistant", "content": output}]
     key, role_key, content_key = (("messages", "role", "content") if layout == "messages"
                                   else ("conversations", "from", "value"))
-    turns = record.get(key)
+    if key not in record:
+        raise DataError(f"{where} has no '{key}' column, which the file's first row has; its columns are "
+                        f"{sorted(record)}")
+    turns = record[key]
     if not isinstance(turns, list):
         raise DataError(f"{where}: '{key}' is {type(turns).__name__}, not a list of turns")
     messages = []
