@@ -311,3 +311,32 @@ def test_a_global_batch_without_assistant_tokens_trains_to_the_end_without_nan(t
               "data_path": [write_messages(tmp_path / "chat.jsonl")],
               "check_for_nan_in_loss_and_grad": True}
     assert train_losses(values, 1) == [0.0, 0.0]
+
+
+def test_parquet_and_saved_datasets_read_as_json_lines(tmp_path):
+    import datasets
+
+    rows = [{"messages": conversation} for conversation in CONVERSATIONS]
+    expected = [c for _, c in read_conversations(write_messages(tmp_path / "chat.jsonl"), ReadCounts())]
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(str(tmp_path / "chat.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    for path in (tmp_path / "chat.parquet", tmp_path / "saved"):
+        assert [c for _, c in read_conversations(str(path), ReadCounts())] == expected, path
+
+
+def test_a_weighted_blend_of_two_files_interleaves_their_rows_by_weight(tokenizers, tmp_path):
+    """The first file's rows are all CONVERSATIONS[1], the second's CONVERSATIONS[3]: weights 1:3 give one in four
+    samples from the first, and the validation split gets each file's last rows."""
+    from megatron_lite.data.sft.builder import build_sft_datasets
+
+    first = write_messages(tmp_path / "a.jsonl", [CONVERSATIONS[1]], repeat=10)
+    second = write_messages(tmp_path / "b.jsonl", [CONVERSATIONS[3]], repeat=10)
+    config = make_config({"model_preset": "llama-tiny", "seq_length": 96, "max_position_embeddings": 96, "sft": True,
+                          "tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizers["plain"],
+                          "data_path": ["1", first, "3", second], "split": "80,20,0"})
+    train, valid, test = build_sft_datasets(config, (8, 4, 0), log=lambda line: None)
+    second_ids = ChatTokenizer(tokenizers["plain"]).tokenize(CONVERSATIONS[3])[0]
+    from_second = [train[i]["tokens"][:len(second_ids)].tolist() == second_ids.tolist() for i in range(len(train))]
+    assert len(train) == 8 and sum(from_second) == 6 and from_second[0]  # Megatron's greedy: the heavier first
+    assert len(valid) >= 4 and test is None

@@ -7,15 +7,25 @@ from __future__ import annotations
 import math
 
 from megatron_lite.data.blended_dataset import BlendedDataset, build_blending_indices
-from megatron_lite.data.builder import SPLIT_NAMES, check_token_ids, parse_data_path, parse_split, read_data_args, \
-    split_ranges
+from megatron_lite.data.builder import (
+    SPLIT_NAMES,
+    check_token_ids,
+    parse_data_path,
+    parse_split,
+    read_data_args,
+    split_ranges,
+)
 from megatron_lite.data.index_cache import default_cache_dir
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.sft.chat_tokenizer import ChatTokenizer
 from megatron_lite.data.sft.conversations import is_chat_file
 from megatron_lite.data.sft.sft_dataset import SFTDataset
-from megatron_lite.data.sft.tokenized import TokenizedConversations, is_tokenized_prefix, load_conversations, \
-    open_prefix
+from megatron_lite.data.sft.tokenized import (
+    TokenizedConversations,
+    is_tokenized_prefix,
+    load_conversations,
+    open_prefix,
+)
 from megatron_lite.errors import DataError
 
 
@@ -46,7 +56,8 @@ def build_sft_datasets(config, num_samples: tuple[int, int, int], log=print):
         for source, rows in zip(sources, ranges):
             if rows[0] == rows[1]:
                 raise DataError(f"the {name} split of {source.source} gets no rows of its {len(source)}, but "
-                                f"{num_samples[i]} {name} samples are needed; raise its share in --split or set it to 0")
+                                f"{num_samples[i]} {name} samples are needed; raise its share in --split or set it "
+                                f"to 0")
         results.append(_blend(sources, ranges, weights, num_samples[i], name, options, log))
     return tuple(results)
 

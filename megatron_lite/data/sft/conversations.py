@@ -85,8 +85,7 @@ def _read_parquet(path: str) -> Iterator[tuple[int, dict]]:
         table = pyarrow.parquet.read_table(path)
     except Exception as error:  # pyarrow raises its own hierarchy for unreadable files
         raise DataError(f"{path} is not a readable Parquet file ({error})") from None
-    for number, record in enumerate(table.to_pylist(), 1):
-        yield number, record
+    yield from enumerate(table.to_pylist(), 1)
 
 
 def _read_saved(path: str) -> Iterator[tuple[int, dict]]:
@@ -100,8 +99,7 @@ def _read_saved(path: str) -> Iterator[tuple[int, dict]]:
         if "train" not in dataset:
             raise DataError(f"{path} holds splits {sorted(dataset)} but no 'train' split; save the one to train on")
         dataset = dataset["train"]
-    for number, record in enumerate(dataset, 1):
-        yield number, record
+    yield from enumerate(dataset, 1)
 
 
 def layout_of(columns, path: str) -> str:

@@ -95,5 +95,6 @@ class SFTDataset:
             positions[used:] = np.arange(capacity - used)
             used = end
         same_document = documents[1:] == documents[:-1]
-        return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": (learnt[1:] & same_document).astype(np.float32),
+        return {"tokens": tokens[:-1], "labels": tokens[1:],
+                "loss_mask": (learnt[1:] & same_document).astype(np.float32),
                 "position_ids": positions[:-1], "document_ids": documents[:-1]}

@@ -71,16 +71,24 @@ def tokenize_file(path: str, chat: ChatTokenizer) -> tuple[dict[str, np.ndarray]
 
 def load_conversations(path: str, chat: ChatTokenizer, cache_dir: str) -> TokenizedConversations:
     """A conversations file tokenized, through the dataset cache (keyed by the file, the tokenizer and template)."""
-    stat = os.stat(path) if os.path.isfile(path) else os.stat(os.path.join(path, "state.json"))
     tokenizer_file = os.path.join(chat.tokenizer.name_or_path, "tokenizer.json")
-    description = {"class": "SFTConversations", "dataset_path": os.path.abspath(path), "bytes": stat.st_size,
-                   "mtime_ns": stat.st_mtime_ns, "template_md5": hashlib.md5(chat.template.encode()).hexdigest(),
+    description = {"class": "SFTConversations", "dataset_path": os.path.abspath(path), "files": _files_of(path),
+                   "template_md5": hashlib.md5(chat.template.encode()).hexdigest(),
                    "tokenizer_md5": _md5(tokenizer_file)}
     arrays = load_or_build(cache_dir, description, lambda: tokenize_file(path, chat)[0])
     rows, conversations, without_assistant, skipped_rows = (int(v) for v in arrays["counts"])
     counts = ReadCounts(rows, conversations, without_assistant, skipped_rows)
     return TokenizedConversations(arrays["tokens"], arrays["assistant_mask"], arrays["starts"], arrays["rows"],
                                   path, counts)
+
+
+def _files_of(path: str) -> list[list]:
+    """(name, bytes, modification time) of the file, or of every file of a saved dataset's folder: what the cached
+    tokens were made from."""
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(folder, name) for folder, _, names in os.walk(path) for name in names)
+    return [[os.path.relpath(f, path) if f != path else "", os.stat(f).st_size, os.stat(f).st_mtime_ns]
+            for f in files]
 
 
 def _md5(path: str) -> str:
