@@ -1,5 +1,6 @@
 """The tools around supervised fine-tuning: tools/preprocess_data.py --sft writes the tokens and assistant masks
-that give exactly the samples of the conversations file itself."""
+that give exactly the samples of the conversations file itself; tools/generate.py --chat asks a fine-tuned model
+with its chat template and stops at the end of its turn."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.chat_data import CONVERSATIONS, write_tokenizer
+from tests.chat_data import CONVERSATIONS, write_messages, write_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SFT = {"model_preset": "llama-tiny", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
@@ -86,3 +87,74 @@ def test_bad_sft_inputs_are_one_line(argv, says, tokenizer, tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode != 0 and last.startswith("preprocess_data.py: error: ") and says.format(tmp=tmp_path) in last
     assert not list(tmp_path.glob("out*"))
+
+
+# -------------------------------------------------------------------------------------------------------
+# A tiny Llama fine-tuned on the conversations until it answers them; its tokenizer's eos is ChatML's <|im_end|>
+
+
+def fine_tune(root: Path, tokenizer: str, **values) -> str:
+    import pretrain_gpt
+    from megatron_lite.config.arguments import make_config
+    from megatron_lite.training.loop import pretrain
+
+    config = make_config({**SFT, "micro_batch_size": 4, "global_batch_size": 4, "lr": 1e-2, "lr_warmup_iters": 2,
+                          "data_path": [write_messages(root / "chat.jsonl", repeat=2)], "split": "100,0,0",
+                          "tokenizer_model": tokenizer, "save": str(root / "run"), **values})
+    pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+    return str(root / "run")
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(tokenizer, tmp_path_factory) -> str:
+    return fine_tune(tmp_path_factory.mktemp("sft"), tokenizer, train_iters=60, save_interval=60)
+
+
+def chatml(messages: list[dict]) -> str:
+    """The ChatML text of `messages` and the header that opens the assistant's turn, written out by hand."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+
+
+def chat(monkeypatch, capsys, *argv: str) -> tuple[list[int], list[str]]:
+    """tools/generate.py --chat ARGV: the prompt ids the model was given, and the lines printed."""
+    from megatron_lite.inference import generation
+    from tools import generate as generate_tool
+
+    prompts, real = [], generation.generate
+    monkeypatch.setattr(generation, "generate", lambda model, ids, *a, **k: prompts.append(ids[0].tolist())
+                        or real(model, ids, *a, **k))
+    assert generate_tool.main(["--chat", "--greedy", "--output-ids", *argv]) == 0
+    return prompts[0], capsys.readouterr().out.strip().splitlines()
+
+
+def test_generate_chat_renders_the_chat_template_and_stops_at_the_end_of_the_turn(fine_tuned, tokenizer, monkeypatch,
+                                                                                 capsys):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(tokenizer)
+    eos = hf.convert_tokens_to_ids("<|im_end|>")
+    system, question = CONVERSATIONS[0][0]["content"], CONVERSATIONS[0][1]["content"]
+    prompt, lines = chat(monkeypatch, capsys, "--load", fine_tuned, "--system", system, "--prompt", question,
+                         "--max-new-tokens", "20")
+    assert prompt == hf(chatml([{"role": "system", "content": system}, {"role": "user", "content": question}]),
+                        add_special_tokens=False)["input_ids"]
+    reply, ids = lines[0], [int(i) for i in lines[1].split()]
+    assert reply == "Paris." and ids[-1] == eos and eos not in ids[:-1] and len(ids) < 20
+    assert hf.decode(ids) == "Paris.<|im_end|>"
+    prompt, lines = chat(monkeypatch, capsys, "--load", fine_tuned, "--prompt", "Say hello.", "--max-new-tokens", "20")
+    assert prompt == hf(chatml([{"role": "user", "content": "Say hello."}]), add_special_tokens=False)["input_ids"]
+    assert lines[0] == "Hello there!"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--chat", "--prompt-ids", "1 2"], "--chat takes the user's turn as --prompt TEXT"),
+    (["--prompt", "hi", "--system", "be brief"], "--system acts only with --chat"),
+    (["--prompt", "hi", "--sft-tokenizer-prompt-format", "chatml"], "--sft-tokenizer-prompt-format acts only with"),
+])
+def test_generate_chat_flag_mistakes_are_one_line(argv, says, capsys):
+    from tools import generate as generate_tool
+
+    with pytest.raises(SystemExit) as exit_:
+        generate_tool.main(["--load", "unused", *argv])
+    error = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and says in error and "\n" not in error, error
