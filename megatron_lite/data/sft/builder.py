@@ -34,8 +34,7 @@ def build_sft_datasets(config, num_samples: tuple[int, int, int], log=print):
     takes one line per file and split: rows, conversations, and what was left out, cut or dropped."""
     d, m = config.data, config.model
     chat = ChatTokenizer(d.tokenizer_model, d.sft_tokenizer_prompt_format)
-    pad = chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else chat.eod
-    options = {"seq_length": m.seq_length, "pad": pad, "cp_size": config.parallel.context_parallel_size,
+    options = {"seq_length": m.seq_length, "pad": chat.pad, "cp_size": config.parallel.context_parallel_size,
                "long_conversations": d.sft_long_conversations}
     if d.train_data_path:
         blends = [(f"--{name}-data-path", getattr(d, f"{name}_data_path")) for name in SPLIT_NAMES]

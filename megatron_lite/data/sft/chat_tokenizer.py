@@ -68,10 +68,9 @@ class ChatTokenizer:
         self.tagged = bool(_GENERATION_TAG.search(self.template))
         self.end_of_turn_tokens = tuple(token.content for token in self.tokenizer.added_tokens_decoder.values()
                                         if token.special)
-        self.eod = self.tokenizer.eos_token_id
-        if self.eod is None:
-            self.eod = self.tokenizer.convert_tokens_to_ids(self.end_of_turn_tokens[-1]) if self.end_of_turn_tokens \
-                else None
+        self.eod = self.tokenizer.eos_token_id  # ends plain text; None: the tokenizer names no eos
+        # what fills a sample after its conversations: never learnt nor attended to by them, so any id serves
+        self.pad = next((i for i in (self.tokenizer.pad_token_id, self.eod) if i is not None), 0)
 
     def tokenize(self, conversation, where: str = "a conversation") -> tuple[np.ndarray, np.ndarray]:
         """(token ids int64, assistant mask bool) of one conversation (a message list, or plain text)."""
