@@ -1,6 +1,7 @@
 """The tools around supervised fine-tuning: tools/preprocess_data.py --sft writes the tokens and assistant masks
 that give exactly the samples of the conversations file itself; tools/generate.py --chat asks a fine-tuned model
-with its chat template and stops at the end of its turn."""
+with its chat template and stops at the end of its turn; the Hugging Face export carries the chat template, so that
+lm-eval's --apply_chat_template asks the exported model as it was taught."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.chat_data import CONVERSATIONS, write_messages, write_tokenizer
+from tests.chat_data import CHATML, CONVERSATIONS, write_messages, write_tokenizer
+from tests.helpers import convert
 
 REPO = Path(__file__).resolve().parents[1]
 SFT = {"model_preset": "llama-tiny", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
@@ -158,3 +160,95 @@ def test_generate_chat_flag_mistakes_are_one_line(argv, says, capsys):
         generate_tool.main(["--load", "unused", *argv])
     error = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and says in error and "\n" not in error, error
+
+
+def test_the_export_of_a_fine_tuned_checkpoint_carries_its_chat_template(fine_tuned, tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_lite.data.sft.chat_tokenizer import ChatTokenizer
+
+    convert("--direction", "mlite-to-hf", "--load-dir", fine_tuned, "--save-dir", str(tmp_path / "hf"))
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (tmp_path / "hf").iterdir()}
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == CHATML
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for conversation in CONVERSATIONS:
+        asked = conversation[:-1]
+        text = exported.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+        assert text == chatml(asked)
+        assert exported(text, add_special_tokens=False)["input_ids"] == ChatTokenizer(tokenizer).prompt(asked)
+
+
+def test_a_chat_template_transformers_saved_beside_the_tokenizer_is_carried(tokenizer, tmp_path):
+    """transformers >= 4.48 saves the template as chat_template.jinja, and tokenizer_config.json holds none."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from megatron_lite.hf.safetensors_files import copy_carried_files
+
+    PreTrainedTokenizerFast.from_pretrained(tokenizer).save_pretrained(tmp_path / "saved")
+    (tmp_path / "export").mkdir()
+    copy_carried_files(str(tmp_path / "saved"), str(tmp_path / "export"))
+    assert AutoTokenizer.from_pretrained(tmp_path / "export").chat_template == CHATML
+
+
+def test_a_run_fine_tuned_with_a_named_prompt_format_chats_and_exports_with_it(tmp_path, monkeypatch, capsys):
+    """--sft-tokenizer-prompt-format chatml over a tokenizer whose own template is another: generate --chat renders
+    ChatML, and the export's template is ChatML."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    plain = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    tokenizer = write_tokenizer(tmp_path / "tokenizer", template=plain)
+    run = fine_tune(tmp_path, tokenizer, train_iters=2, lr_warmup_iters=1, sft_tokenizer_prompt_format="chatml")
+    prompt, _ = chat(monkeypatch, capsys, "--load", run, "--prompt", "Say hello.", "--max-new-tokens", "2")
+    hf = PreTrainedTokenizerFast.from_pretrained(tokenizer)
+    assert prompt == hf(chatml([{"role": "user", "content": "Say hello."}]), add_special_tokens=False)["input_ids"]
+    convert("--direction", "mlite-to-hf", "--load-dir", run, "--save-dir", str(tmp_path / "hf"))
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    hello = [{"role": "user", "content": "Say hello."}]
+    assert exported.apply_chat_template(hello, tokenize=False, add_generation_prompt=True) == chatml(hello)
+    assert "user: " not in (tmp_path / "hf" / "chat_template.jinja").read_text()
+
+
+LM_EVAL_TASK = """task: chat_replies
+dataset_path: json
+dataset_kwargs:
+  data_files: {path}
+test_split: train
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["<|im_end|>"]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_lm_eval_with_the_chat_template_asks_the_exported_model_as_it_was_taught(fine_tuned, tmp_path):
+    """lm-eval's hf model with apply_chat_template on the export: each request is the question rendered by the
+    chat template with the assistant's header, and the fine-tuned model answers every one as it learnt; the
+    megatron_lite model on the checkpoint itself asks and answers the same."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from megatron_lite.evaluation.harness_model import MegatronLiteLM
+
+    convert("--direction", "mlite-to-hf", "--load-dir", fine_tuned, "--save-dir", str(tmp_path / "hf"))
+    asked = [(c[0]["content"], c[1]["content"]) for c in CONVERSATIONS if c[0]["role"] == "user"]  # first turns
+    (tmp_path / "replies.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in asked))
+    (tmp_path / "chat_replies.yaml").write_text(LM_EVAL_TASK.format(path=tmp_path / "replies.jsonl"))
+
+    def evaluate(model, model_args=None) -> list[dict]:
+        results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["chat_replies"],
+                                          apply_chat_template=True, log_samples=True, batch_size=1, bootstrap_iters=0,
+                                          task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+        assert results["results"]["chat_replies"]["exact_match,none"] == 1.0
+        return sorted(results["samples"]["chat_replies"], key=lambda s: s["doc_id"])
+
+    samples = evaluate("hf", f"pretrained={tmp_path / 'hf'},dtype=float32,device=cpu")
+    assert [s["arguments"][0][0] for s in samples] == [chatml([{"role": "user", "content": q}]) for q, _ in asked]
+    assert [s["filtered_resps"][0] for s in samples] == [a for _, a in asked]
+    ours = evaluate(MegatronLiteLM(load=fine_tuned, batch_size=1))
+    assert [(s["arguments"], s["filtered_resps"]) for s in ours] == [(s["arguments"], s["filtered_resps"])
+                                                                     for s in samples]

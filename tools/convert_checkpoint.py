@@ -20,7 +20,9 @@ the files are the same for every layout.
 mlite-to-hf reads the newest (or --iteration) checkpoint of a run, drops the vocabulary padding and the
 optimizer state, and writes config.json + safetensors (sharded above --max-shard-size, with
 model.safetensors.index.json) that transformers.AutoModelForCausalLM.from_pretrained loads, with the
-tokenizer files of the checkpoint (or of the run's --tokenizer-model) when there are any.
+tokenizer files of the checkpoint (or of the run's --tokenizer-model) when there are any: tokenizer.json,
+tokenizer_config.json and its chat template (chat_template.jinja where transformers saved one there; a run
+fine-tuned with --sft-tokenizer-prompt-format gets that format's template), so the export chats as it was taught.
 
 megatron-to-mlite reads a Megatron-LM checkpoint (torch_dist or torch format, any TP/PP) and writes an
 ordinary checkpoint at its iteration and consumed samples, with config.yaml holding the Megatron flags it
@@ -161,6 +163,12 @@ def mlite_to_hf(args) -> str:
             and os.path.isfile(tokenizer_model) and "tokenizer.model" not in copied):
         shutil.copy2(tokenizer_model, os.path.join(args.save_dir, "tokenizer.model"))
         copied.append("tokenizer.model")
+    prompt_format = getattr(config.data, "sft_tokenizer_prompt_format", None)
+    if prompt_format and "tokenizer.json" in copied:  # fine-tuned with a named template: the export renders with it
+        from megatron_lite.data.sft.prompt_formats import PROMPT_FORMATS
+
+        safetensors_files.write_chat_template(args.save_dir, PROMPT_FORMATS[prompt_format])
+        copied.append(f"the {prompt_format} chat template (--sft-tokenizer-prompt-format)")
     hf_config = families.hf_config_from_model(m, next(iter(hf.values())).dtype, saved.get("hf", {}).get("config"))
     if "hf" not in saved:  # trained here: the token ids come from the carried generation defaults, if any
         hf_config.update(safetensors_files.generation_token_ids(args.save_dir))

@@ -20,7 +20,9 @@ see) by a ModelRunner (model_runner.py) at the layout of --model_args; under tor
 replicas are lm-eval's ranks (its requests split by rank, results gathered to rank 0). The tokenizer is the
 checkpoint's (a converted model's tokenizer files, else the run's --tokenizer-model), or `tokenizer_type` /
 `tokenizer_model` in --model_args. max_length is the model's --max-position-embeddings, as the `hf` model
-takes it from the configuration.
+takes it from the configuration. With --apply_chat_template the requests are rendered by the chat template a
+fine-tuned run (--sft) was taught with (its --sft-tokenizer-prompt-format, else the Hugging Face tokenizer's
+chat_template), as the `hf` model renders them with its tokenizer's.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from megatron_lite.checkpoint.directory import read_metadata
 from megatron_lite.errors import CheckpointError, ConfigError
 from megatron_lite.evaluation.model_runner import ModelRunner
 from megatron_lite.hf.checkpoint import config_from_metadata, resolve_checkpoint
-from megatron_lite.inference.checkpoint_tokenizer import find_tokenizer
+from megatron_lite.inference.checkpoint_tokenizer import find_chat_tokenizer, find_tokenizer
 from megatron_lite.parallel import mappings
 
 DEFAULT_MAX_GEN_TOKS = 256
@@ -82,6 +84,8 @@ class MegatronLiteLM(TemplateLM):
             device = "cpu"
         saved = read_metadata(path)
         self.tokenizer = find_tokenizer(path, config_from_metadata(saved), tokenizer_type, tokenizer_model)
+        self._chat_source = (path, config_from_metadata(saved), tokenizer_type, tokenizer_model)
+        self._chat = None
         if self.tokenizer is None:
             raise CheckpointError(f"{path} has no tokenizer (no tokenizer files beside it, no --tokenizer-model of its "
                                   f"run); pass tokenizer_type=...,tokenizer_model=... in --model_args")
@@ -101,6 +105,30 @@ class MegatronLiteLM(TemplateLM):
         lm.batch_size, lm.max_length = runner.micro_batch_size, runner.max_length
         lm.quiet = True  # no progress bars in the training log
         return lm
+
+    @property
+    def tokenizer_name(self) -> str:
+        """What lm-eval's request cache keys a chat-templated request by."""
+        return self._chat_tokenizer().tokenizer.name_or_path.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self._chat_tokenizer().template if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The text of `chat_history` by the checkpoint's chat template, as lm-eval's hf model renders it."""
+        chat = self._chat_tokenizer()
+        return chat.tokenizer.apply_chat_template(chat_history, chat_template=chat.template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=not add_generation_prompt)
+
+    def _chat_tokenizer(self):
+        if getattr(self, "_chat", None) is None:
+            source = getattr(self, "_chat_source", None)
+            if source is None:
+                raise ConfigError("--apply_chat_template needs the checkpoint's tokenizer: evaluate it with "
+                                  "tools/run_lm_eval.py --model megatron_lite --model_args load=DIR")
+            self._chat = find_chat_tokenizer(*source)
+        return self._chat
 
     @property
     def eot_token_id(self) -> int:

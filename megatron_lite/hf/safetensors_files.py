@@ -26,10 +26,12 @@ from megatron_lite.hf.safetensors_format import Entry, StreamedFile, read_header
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
-# Files a model directory may carry beside its weights: tokenizers (HF tokenizers, sentencepiece, GPT-2 BPE)
-# and the generation defaults (bos/eos/pad ids).
+# Files a model directory may carry beside its weights: tokenizers (HF tokenizers, sentencepiece, GPT-2 BPE), the
+# chat template as transformers >= 4.48 saves it (beside tokenizer_config.json, which then holds none), and the
+# generation defaults (bos/eos/pad ids).
+CHAT_TEMPLATE_NAME = "chat_template.jinja"
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                 "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+                 "vocab.json", "merges.txt", "added_tokens.json", CHAT_TEMPLATE_NAME, "generation_config.json")
 
 
 def read_hf_config(folder: str) -> dict:
@@ -209,3 +211,15 @@ def copy_carried_files(source: str, target: str) -> list[str]:
             shutil.copy2(path, os.path.join(target, name))
             copied.append(name)
     return copied
+
+
+def write_chat_template(folder: str, template: str) -> None:
+    """Make `template` the chat template of the tokenizer in `folder`, as transformers reads it: chat_template.jinja
+    (which transformers >= 4.48 reads before tokenizer_config.json) and tokenizer_config.json's chat_template."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    config = read_json_object(path, ConversionError) if os.path.lexists(path) else {}
+    config["chat_template"] = template
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+    with open(os.path.join(folder, CHAT_TEMPLATE_NAME), "w", encoding="utf-8") as f:
+        f.write(template)
