@@ -179,7 +179,7 @@ def test_the_export_of_a_fine_tuned_checkpoint_carries_its_chat_template(fine_tu
 
 
 def test_a_chat_template_transformers_saved_beside_the_tokenizer_is_carried(tokenizer, tmp_path):
-    """transformers >= 4.48 saves the template as chat_template.jinja, and tokenizer_config.json holds none."""
+    """transformers (5 here) saves the template as chat_template.jinja, and tokenizer_config.json holds none."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from megatron_lite.hf.safetensors_files import copy_carried_files

@@ -27,7 +27,7 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 # Files a model directory may carry beside its weights: tokenizers (HF tokenizers, sentencepiece, GPT-2 BPE), the
-# chat template as transformers >= 4.48 saves it (beside tokenizer_config.json, which then holds none), and the
+# chat template as newer transformers saves it (beside tokenizer_config.json, which then holds none), and the
 # generation defaults (bos/eos/pad ids).
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -215,7 +215,8 @@ def copy_carried_files(source: str, target: str) -> list[str]:
 
 def write_chat_template(folder: str, template: str) -> None:
     """Make `template` the chat template of the tokenizer in `folder`, as transformers reads it: chat_template.jinja
-    (which transformers >= 4.48 reads before tokenizer_config.json) and tokenizer_config.json's chat_template."""
+    (which transformers reads before tokenizer_config.json) and tokenizer_config.json's chat_template (which older
+    versions read)."""
     path = os.path.join(folder, "tokenizer_config.json")
     config = read_json_object(path, ConversionError) if os.path.lexists(path) else {}
     config["chat_template"] = template
