@@ -1,7 +1,9 @@
 """The YAML recipes under examples/ are valid configurations for the layouts their comments name."""
 
 import glob
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +31,22 @@ def test_the_llama_1b_recipe_packs_documents_ramps_up_the_batch_and_decays_wsd()
     assert d.reset_position_ids and d.reset_attention_mask and d.eod_mask_loss
     assert o.lr_decay_style == "WSD" and t.rampup_batch_size == [64, 64, 2000000] and config.logging.profile
     assert t.train_samples * config.model.seq_length == pytest.approx(50e9, rel=1e-6)
+
+
+def test_the_shipped_chat_set_is_what_its_script_writes(tmp_path):
+    """examples/sft/tiny_chat.jsonl: a few hundred conversations with system, user, assistant and tool turns, each
+    read by --sft without a conversation left out, and the same bytes as examples/sft/make_tiny_chat.py writes."""
+    from megatron_lite.data.sft.conversations import ReadCounts, read_conversations
+
+    script = os.path.join(ROOT, "examples", "sft", "make_tiny_chat.py")
+    spec = importlib.util.spec_from_file_location("make_tiny_chat", script)
+    make_tiny_chat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny_chat)
+    shipped = Path(ROOT, "examples", "sft", "tiny_chat.jsonl")
+    make_tiny_chat.main(["--output", str(tmp_path / "chat.jsonl")])
+    assert (tmp_path / "chat.jsonl").read_bytes() == shipped.read_bytes()
+    counts = ReadCounts()
+    rows = read_conversations(str(shipped), counts)
+    roles = {m["role"] for _, conversations in rows for conversation in conversations for m in conversation}
+    assert roles == {"system", "user", "assistant", "tool"}
+    assert 150 <= counts.conversations <= 300 and counts.without_assistant == counts.skipped_rows == 0
