@@ -31,6 +31,8 @@ PRESET_PATTERNS = {
     "gpt-oss-20b": "*E" * 24, "gpt-oss-120b": "*E" * 36, "mixtral-tiny": "*E" * 4,
     "nemotron-h-8b": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
     "nemotron-3-nano-30b-a3b": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "nemotron-3-super-120b-a12b": "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*"
+                                  "EMEMEMEME/*E",
 }
 
 

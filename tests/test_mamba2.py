@@ -173,26 +173,38 @@ PUBLISHED = {
         "mamba_num_heads": 64, "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
         "moe_shared_expert_intermediate_size": 3712, "routed_scaling_factor": 2.5,
         "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"},
+    "nemotron-3-super-120b-a12b": {
+        **_NEMOTRON_COMMON, "hidden_size": 4096, "intermediate_size": 2688, "num_key_value_heads": 2,
+        "mamba_num_heads": 128, "n_routed_experts": 512, "num_experts_per_tok": 22, "moe_intermediate_size": 2688,
+        "moe_latent_size": 1024, "moe_shared_expert_intermediate_size": 5376, "routed_scaling_factor": 5.0,
+        "hybrid_override_pattern": "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*"
+                                   "EMEMEMEM*EMEMEMEME",
+        "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"},
 }
 
 
 def _published_parameters(hf: dict) -> tuple[int, int]:
-    """(parameters, of which routed experts') of transformers' NemotronHForCausalLM for `hf`, from its modules: one
-    RMSNorm per block; a Mamba-2 mixer's in_proj (z, x, B, C, dt), depthwise convolution with bias, dt_bias, A_log,
-    D, gated norm and out_proj; attention's q, k, v, o; an MLP's up and down; an MoE block's router, experts (up and
-    down each) and shared expert; the embedding, final norm and untied head."""
+    """(parameters, of which routed experts') of a checkpoint of `hf` as NVIDIA stores it, from transformers'
+    NemotronHForCausalLM modules: one RMSNorm per block; a Mamba-2 mixer's in_proj (z, x, B, C, dt), depthwise
+    convolution with bias, dt_bias, A_log, D, gated norm and out_proj; attention's q, k, v, o; an MLP's up and down;
+    an MoE block's router, experts (up and down each, in the latent where moe_latent_size gives one, with the
+    projections to it and back) and shared expert; the embedding, final norm and untied head; and each of the
+    num_nextn_predict_layers prediction depths: the blocks of mtp_hybrid_override_pattern, enorm, hnorm, the 2h -> h
+    eh_proj and a final norm (transformers builds no such depth; Megatron-Bridge converts them)."""
     h, heads, groups = hf["hidden_size"], hf["mamba_num_heads"], hf["n_groups"]
     inner, states = heads * hf["mamba_head_dim"], groups * hf["ssm_state_size"]
     q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
-    routed = hf.get("n_routed_experts", 0)
-    experts = routed * 2 * h * hf.get("moe_intermediate_size", 0)
+    routed, latent, shared = (hf.get(key, 0) for key in ("n_routed_experts", "moe_latent_size",
+                                                         "moe_shared_expert_intermediate_size"))
+    experts = routed * 2 * (latent or h) * hf.get("moe_intermediate_size", 0)
     mixers = {"M": h * (2 * inner + 2 * states + heads) + (inner + 2 * states) * (hf["conv_kernel"] + 1)
               + 3 * heads + inner + inner * h,
               "*": h * q + 2 * h * kv + q * h, "-": 2 * h * hf["intermediate_size"],
-              "E": routed * h + experts + 2 * h * hf.get("moe_shared_expert_intermediate_size", 0)}
-    pattern = hf["hybrid_override_pattern"]
-    total = sum(h + mixers[symbol] for symbol in pattern) + 2 * hf["vocab_size"] * h + h
-    return total, experts * pattern.count("E")
+              "E": routed * h + experts + 2 * h * latent + 2 * h * shared}
+    depths = hf.get("num_nextn_predict_layers", 0)
+    blocks = hf["hybrid_override_pattern"] + hf.get("mtp_hybrid_override_pattern", "") * depths
+    total = sum(h + mixers[symbol] for symbol in blocks) + 2 * hf["vocab_size"] * h + h
+    return total + depths * (2 * h + 2 * h * h + h), experts * blocks.count("E")
 
 
 def _transformers_count(m) -> int:
@@ -209,36 +221,51 @@ def _transformers_count(m) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _activated(hf: dict, total: int, routed: int) -> float:
+    """What one token uses: all but the routed experts it is not sent to and the input embedding."""
+    unused = routed * (1 - hf["num_experts_per_tok"] / hf["n_routed_experts"])
+    return total - unused - hf["vocab_size"] * hf["hidden_size"]
+
+
 @pytest.mark.parametrize("preset", list(PUBLISHED))
 def test_presets_have_the_published_shapes_and_parameter_counts(preset):
     """Nemotron-H 8B: 8,100,852,736 parameters; Nemotron 3 Nano: 31.6B, 3.2B activated without the input embedding
-    (NVIDIA's figures)."""
+    (NVIDIA's figures); Nemotron 3 Super: 120B, 12B activated (NVIDIA's), and its files' 123,611,033,088 elements
+    (Megatron-Bridge's count of the BF16 checkpoint, MTP depth and the routers' expert biases included)."""
     from megatron_lite.config.layer_split import model_chunk_plans
     from megatron_lite.planning.state_memory import chunk_params
 
     hf = PUBLISHED[preset]
-    m = make_config({"model_preset": preset, "mock_data": True}).model
-    assert (m.hybrid_layer_pattern, m.hidden_size, m.ffn_hidden_size, m.num_query_groups, m.kv_channels,
-            m.mamba_num_heads, m.mamba_head_dim, m.mamba_state_dim, m.mamba_num_groups, m.vocab_size) == (
-        hf["hybrid_override_pattern"], hf["hidden_size"], hf["intermediate_size"], hf["num_key_value_heads"],
-        hf["head_dim"], hf["mamba_num_heads"], hf["mamba_head_dim"], hf["ssm_state_size"], hf["n_groups"],
-        hf["vocab_size"])
-    assert m.squared_relu and not m.swiglu and m.position_embedding_type == "none"
     config = make_config({"model_preset": preset, "mock_data": True})
+    m = config.model
+    depths = hf.get("num_nextn_predict_layers", 0)
+    assert (m.hybrid_layer_pattern, m.hidden_size, m.ffn_hidden_size, m.num_query_groups, m.kv_channels,
+            m.mamba_num_heads, m.mamba_head_dim, m.mamba_state_dim, m.mamba_num_groups, m.vocab_size,
+            m.mtp_num_layers) == (
+        hf["hybrid_override_pattern"] + f"/{hf.get('mtp_hybrid_override_pattern')}" * depths, hf["hidden_size"],
+        hf["intermediate_size"], hf["num_key_value_heads"], hf["head_dim"], hf["mamba_num_heads"],
+        hf["mamba_head_dim"], hf["ssm_state_size"], hf["n_groups"], hf["vocab_size"], depths or None)
+    assert m.squared_relu and not m.swiglu and m.position_embedding_type == "none"
     shapes = chunk_params(config, model_chunk_plans(config, 0)[0])
     total, routed = sum(s.numel for s in shapes), sum(s.numel for s in shapes if s.expert)
     assert (total, routed) == _published_parameters(hf)
-    assert total == _transformers_count(config.model)
+    if not depths:
+        assert total == _transformers_count(config.model)
     if preset == "nemotron-h-8b":
         assert total == 8_100_852_736
-    else:
-        assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size,
-                m.moe_router_topk_scaling_factor) == (hf["n_routed_experts"], hf["num_experts_per_tok"],
-                                                      hf["moe_intermediate_size"],
-                                                      hf["moe_shared_expert_intermediate_size"],
-                                                      hf["routed_scaling_factor"])
-        activated = total - routed * (1 - m.moe_router_topk / m.num_experts) - m.vocab_size * m.hidden_size
+        return
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size,
+            m.moe_latent_size, m.moe_router_topk_scaling_factor) == (
+        hf["n_routed_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"],
+        hf["moe_shared_expert_intermediate_size"], hf.get("moe_latent_size"), hf["routed_scaling_factor"])
+    decoder, decoder_routed = _published_parameters({**hf, "num_nextn_predict_layers": 0})
+    activated = _activated(hf, decoder, decoder_routed)
+    if preset == "nemotron-3-nano-30b-a3b":
         assert round(total / 1e9, 1) == 31.6 and round(activated / 1e9, 1) == 3.2
+    else:
+        assert int(decoder / 1e9) == 120 and int(activated / 1e9) == 12
+        moe_blocks = (hf["hybrid_override_pattern"] + hf["mtp_hybrid_override_pattern"]).count("E")
+        assert total + moe_blocks * hf["n_routed_experts"] == 123_611_033_088
 
 
 @pytest.mark.parametrize("values,message", [

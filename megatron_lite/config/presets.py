@@ -182,6 +182,21 @@ MODEL_PRESETS: dict[str, dict] = {
         "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
         "moe_router_topk_scaling_factor": 2.5,
     },
+    # nvidia/NVIDIA-Nemotron-3-Super-120B-A12B's config.json: 88 sublayers, 40 Mamba-2, 8 attention, 40 latent MoE
+    # layers of 512 squared-ReLU experts (22 per token) working in a 1,024 latent beside a shared expert of 5,376;
+    # and the one MTP depth its files hold, an attention and an MoE sublayer (/*E), its loss weighted 0.3 as in
+    # Megatron-Bridge's recipe (which runs the depth twice with shared weights, --mtp-use-repeated-layer, not built
+    # here). 123,611,012,096 parameters, 120,668,687,360 without the MTP depth (published: 120B total, 12B
+    # activated; 12.2B here without the input embedding and the MTP depth).
+    "nemotron-3-super-120b-a12b": {
+        **_NEMOTRON, "hybrid_layer_pattern": "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*"
+                                             "EMEMEMEM*EMEMEMEME/*E",
+        "hidden_size": 4096, "ffn_hidden_size": 2688, "num_query_groups": 2, "mamba_num_heads": 128,
+        "seq_length": 8192, "max_position_embeddings": 262144, "num_experts": 512, "moe_router_topk": 22,
+        "moe_ffn_hidden_size": 2688, "moe_shared_expert_intermediate_size": 5376, "moe_latent_size": 1024,
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "moe_router_topk_scaling_factor": 5.0, "mtp_loss_scaling_factor": 0.3,
+    },
     "mixtral-tiny": {
         **_LLAMA, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 256, "num_attention_heads": 4,
         "num_query_groups": 2, "seq_length": 128, "max_position_embeddings": 128, "vocab_size": 1024,
