@@ -36,12 +36,15 @@ import traceback
 DEFAULT_TIMEOUT_S = 300
 # What the fork server imports before it forks workers: only modules this test process has already imported, so
 # a module that fails to import fails here, in the test, with its traceback, rather than in the server.
-_PRELOAD = ("torch", "torch.distributed", "megatron_lite.training.loop", "pretrain_gpt")
+_PRELOAD = ("torch", "torch.distributed", "megatron_lite.training.loop", "megatron_lite.checkpoint.planner",
+            "pretrain_gpt")
 
 
 def process_context():
     """The multiprocessing context of test workers: forked from a server that has imported torch and the
     training stack (where this process has), instead of each worker importing them."""
+    import megatron_lite.checkpoint.planner  # noqa: F401 - the checkpoints' DCP planners, which training imports lazily
+
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([name for name in _PRELOAD if name in sys.modules])
     return context

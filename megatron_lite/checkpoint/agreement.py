@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from megatron_lite.checkpoint.planner import CheckpointError
+from megatron_lite.errors import CheckpointError
 
 
 def rank_and_size(group) -> tuple[int, int]:

@@ -43,32 +43,31 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_lite.checkpoint import checksums, directory
 from megatron_lite.checkpoint.agreement import agree, all_gather, decided_by_coordinator, rank_and_size
 from megatron_lite.checkpoint.load_path import load_problem
-from megatron_lite.checkpoint.planner import (
-    CheckpointError,
-    RecordingFileSystemWriter,
-    SafeFileSystemReader,
-    ShardedLoadPlanner,
-    ShardedSavePlanner,
-    boxes_to_write,
-    missing_or_mismatched,
-    state_dict_of,
-)
 from megatron_lite.checkpoint.rng_state import layout_tag, rng_states, set_rng_states
 from megatron_lite.checkpoint.save_lock import SaveLock, unwritable
 from megatron_lite.checkpoint.sharded import ShardedTensor, shard_boxes
 from megatron_lite.config.sections import Config
+from megatron_lite.errors import CheckpointError
 from megatron_lite.model.sharding import FlatShard
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import ParallelState
 
 FORMAT = "megatron_lite/dcp/1"
 _UNDECIDED = object()
+
+
+def _dcp():
+    """torch.distributed.checkpoint and this package's planners over it, imported at the first save or load: they
+    import DTensor and sympy, about a second of a process's start-up that a run without checkpoints never uses."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_lite.checkpoint import planner
+
+    return dcp, planner
 
 
 def to_boxes(state: dict, pstate: ParallelState) -> tuple[list[ShardedTensor], dict]:
@@ -186,7 +185,7 @@ class Checkpointer:
             pieces += optimizer_pieces
         tag = layout_tag(self.config, self.device)
         pieces += rng_pieces(tag, self.pstate.rank, rng_states(model, self.device))
-        pieces = boxes_to_write(pieces, self.group)
+        pieces = _dcp()[1].boxes_to_write(pieces, self.group)
         if self.is_coordinator:
             directory.prepare(root, iteration)
         self._barrier()
@@ -230,8 +229,9 @@ class Checkpointer:
         temporary = directory.temporary_path(root, iteration)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            writer = RecordingFileSystemWriter(temporary)
-            dcp.save(state_dict_of(pieces), planner=ShardedSavePlanner(pieces), storage_writer=writer,
+            dcp, planners = _dcp()
+            writer = planners.RecordingFileSystemWriter(temporary)
+            dcp.save(planners.state_dict_of(pieces), planner=planners.ShardedSavePlanner(pieces), storage_writer=writer,
                      process_group=self.group, no_dist=not self.distributed)
         records, problem = _records_of_own_files(temporary, writer.written_files)
         everyone = all_gather((records, problem), self.group)
@@ -314,7 +314,8 @@ class Checkpointer:
         path = directory.checkpoint_path(c.load, iteration)
         saved = directory.read_metadata(path)
         self._verify_files(path, saved.get("files"), lambda: directory.previous_complete(c.load, iteration))
-        stored = SafeFileSystemReader(path).read_metadata()
+        dcp, planners = _dcp()
+        stored = planners.SafeFileSystemReader(path).read_metadata()
         pieces = model_sharded_state_dict(model, self.pstate)
         optimizer_state = None
         if optimizer is not None and not (c.no_load_optim or c.finetune):
@@ -333,8 +334,8 @@ class Checkpointer:
         self._agree_loadable(pieces, stored, path, saved.get("config", {}).get("model", {}))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(state_dict_of(pieces), planner=ShardedLoadPlanner(pieces),
-                     storage_reader=SafeFileSystemReader(path), process_group=self.group,
+            dcp.load(planners.state_dict_of(pieces), planner=planners.ShardedLoadPlanner(pieces),
+                     storage_reader=planners.SafeFileSystemReader(path), process_group=self.group,
                      no_dist=not self.distributed)
         if optimizer_state is not None:  # filled in place; the plain values come from metadata.json
             optimizer.load_sharded_state_dict({**optimizer_state, **saved["optimizer"]})
@@ -358,7 +359,7 @@ class Checkpointer:
     def _agree_loadable(self, pieces: list[ShardedTensor], stored, path: str, saved_model: dict) -> None:
         """Raise on every rank if any rank cannot find what it needs, or if the checkpoint holds a model
         tensor no rank loads, before the collective load starts."""
-        problems = missing_or_mismatched(pieces, stored)
+        problems = _dcp()[1].missing_or_mismatched(pieces, stored)
         hint = ""
         if problems and "optimizer." in problems[0]:
             hint = " (pass --no-load-optim to skip the optimizer state)"
@@ -415,12 +416,15 @@ def _model_differences(saved_model: dict, config: Config) -> str:
 def read_checkpoint_tensors(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every global tensor of checkpoint directory `path` whose key starts with `prefix`, whole, read in this
     process alone (for tools and tests; a training run loads only its own boxes)."""
-    stored = SafeFileSystemReader(path).read_metadata()
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    dcp, planners = _dcp()
+    stored = planners.SafeFileSystemReader(path).read_metadata()
     pieces = [ShardedTensor(key, torch.empty(md.size, dtype=md.properties.dtype), tuple(md.size), (0,) * len(md.size))
               for key, md in stored.state_dict_metadata.items()
               if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state_dict_of(pieces), planner=ShardedLoadPlanner(pieces), storage_reader=SafeFileSystemReader(path),
-                 no_dist=True)
+        dcp.load(planners.state_dict_of(pieces), planner=planners.ShardedLoadPlanner(pieces),
+                 storage_reader=planners.SafeFileSystemReader(path), no_dist=True)
     return {piece.key: piece.data for piece in pieces}

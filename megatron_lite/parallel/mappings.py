@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lite.parallel.compilation import eager
 from megatron_lite.parallel.progress import RECORD
 
 # ---------------------------------------------------------------------------------------------------
@@ -262,7 +263,7 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all_single(grad, ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
 
 
-@torch.compiler.disable
+@eager
 def _apply_eagerly(function: type[torch.autograd.Function], *args):
     """`function.apply(*args)`, outside any torch.compile graph (see the module's docstring)."""
     return function.apply(*args)

@@ -13,8 +13,9 @@ import contextlib
 import threading
 import time
 
-import torch
 import torch.distributed as dist
+
+from megatron_lite.parallel.compilation import eager
 
 
 class Progress:
@@ -44,7 +45,7 @@ class Progress:
                 self.iteration = iteration
             self._touch()
 
-    @torch.compiler.disable
+    @eager
     def enter(self, op: str, group, count: int | None = None) -> int:
         """Record being inside collective `op` over `group`: the group's next one, or number `count` (the wait
         on a collective started before); returns its number."""
@@ -58,7 +59,7 @@ class Progress:
             self._touch()
             return count
 
-    @torch.compiler.disable
+    @eager
     def leave(self) -> None:
         with self._lock:
             self.inside = False
