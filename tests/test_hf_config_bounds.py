@@ -12,7 +12,7 @@ from megatron_lite.hf.configs import ConversionError
 from megatron_lite.hf.families import model_values_from_hf
 
 PRESETS = ("deepseek-v3", "qwen3-next-80b-a3b", "gpt-oss-20b", "mixtral-tiny", "qwen3-30b-a3b", "gpt2-124m",
-           "nemotron-h-8b", "nemotron-3-nano-30b-a3b")
+           "nemotron-h-8b", "nemotron-3-nano-30b-a3b", "nemotron-3-super-120b-a12b")
 
 
 def published(preset: str) -> dict:

@@ -209,7 +209,8 @@ def _published_parameters(hf: dict) -> tuple[int, int]:
 
 def _transformers_count(m) -> int:
     """transformers' NemotronHForCausalLM of the config.json our model exports, built on the meta device: its
-    parameters and the expert biases it holds as buffers (ours are buffers too, not counted)."""
+    parameters (no prediction depth: it builds none) and not the expert biases, which it holds as buffers (ours are
+    buffers too, not counted)."""
     import transformers
 
     from megatron_lite.hf.families import hf_config_from_model
@@ -249,8 +250,8 @@ def test_presets_have_the_published_shapes_and_parameter_counts(preset):
     shapes = chunk_params(config, model_chunk_plans(config, 0)[0])
     total, routed = sum(s.numel for s in shapes), sum(s.numel for s in shapes if s.expert)
     assert (total, routed) == _published_parameters(hf)
-    if not depths:
-        assert total == _transformers_count(config.model)
+    decoder, decoder_routed = _published_parameters({**hf, "num_nextn_predict_layers": 0})
+    assert decoder == _transformers_count(config.model)  # which builds no prediction depth
     if preset == "nemotron-h-8b":
         assert total == 8_100_852_736
         return
@@ -258,7 +259,6 @@ def test_presets_have_the_published_shapes_and_parameter_counts(preset):
             m.moe_latent_size, m.moe_router_topk_scaling_factor) == (
         hf["n_routed_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"],
         hf["moe_shared_expert_intermediate_size"], hf.get("moe_latent_size"), hf["routed_scaling_factor"])
-    decoder, decoder_routed = _published_parameters({**hf, "num_nextn_predict_layers": 0})
     activated = _activated(hf, decoder, decoder_routed)
     if preset == "nemotron-3-nano-30b-a3b":
         assert round(total / 1e9, 1) == 31.6 and round(activated / 1e9, 1) == 3.2

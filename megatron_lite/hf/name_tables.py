@@ -4,8 +4,9 @@ layouts, and the rules of the parts several families have (Llama's attention and
 A table is a list of `Rule`s read in both directions (weights.py): import joins each rule's HF tensors into
 ours, export splits ours back into the HF tensors, and the HF shapes a configuration implies come from the
 same rules. Names are templates: `{layer}` runs over the layers, `{expert}` over the routed experts, `{depth}`
-over the multi-token prediction modules (DeepSeek-V3's, stored as the layers after the decoder's). A family's
-own table, and the rules and transforms only it has, are in its module (families/).
+over the multi-token prediction modules (DeepSeek-V3's, stored as the layers after the decoder's; Nemotron 3's, block
+by block under mtp.layers). A family's own table, and the rules and transforms only it has, are in its module
+(families/).
 
 The transforms between the two layouts shared here:
   SAME         the tensor as it is
@@ -92,16 +93,20 @@ class Rule:
 class NameTable:
     """The rules of a family: before the layers (`head`), of a decoder layer of a spec (`layer(spec)`, with
     `{layer}`, and `{expert}` in expert rules: the family says which rules each kind of layer takes), after
-    (`tail`). `mtp` holds a multi-token prediction module's own rules (`{depth}` ours, `{layer}` the HF layer it is
-    stored as); its transformer layer takes the decoder layers' rules under our `mtp.layers.{depth}.transformer_layer.`
-    (None: the family stores no such modules). `blocks(i)` gives more placeholders of decoder layer i where HF stores
-    its parts as blocks of their own (Nemotron-H's `{mixer}` and `{mlp}`)."""
+    (`tail`). `mtp` holds a multi-token prediction module's own rules (`{depth}` ours; `{layer}` its first layer,
+    which DeepSeek-V3 stores it as, and that layer's `blocks`); its layers take the rules `mtp_layer(spec)` gives
+    (None: the decoder layers') under our `mtp.layers.{depth}.transformer_layer.` (`transformer_layers.{i}.` where
+    a depth has several). `mtp` None: the family stores no such modules. `blocks(i)` gives more placeholders of layer
+    i (a decoder or a multi-token prediction layer) where HF stores its parts as blocks of their own (Nemotron-H's
+    `{mixer}` and `{mlp}`; a Nemotron 3 prediction depth's `{first}` and `{last}`); a family without them stores one
+    layer per depth."""
 
     head: list[Rule]
     layer: Callable[[LayerSpec], list[Rule]]
     tail: list[Rule]
     mtp: list[Rule] | None = None
     blocks: Callable[[int], dict] | None = None
+    mtp_layer: Callable[[LayerSpec], list[Rule]] | None = None
 
 
 def _h(m):

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_lite.config.layer_specs import LayerSpec, depth_layer_specs, layer_spec, layer_specs
+from megatron_lite.config.layer_specs import LayerSpec, depth_layer_specs, layer_specs
 from megatron_lite.config.sections import ModelConfig
 from megatron_lite.hf.configs import ConversionError
 from megatron_lite.hf.families import FAMILIES
@@ -63,24 +63,28 @@ def units(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[Unit
     wraps the loop over layer indices (a progress bar)."""
     table = FAMILIES[family].name_table(m)
     specs = layer_specs(m)
-
-    def expand(rules: list[Rule], values: dict) -> Unit:
-        return [(rule, {**values, "expert": expert}) for rule in rules
-                for expert in (range(m.num_experts) if "{expert}" in rule.ours else (None,))]
-
     for rule in table.head:
         yield [(rule, {})]
     for layer in layers(range(m.num_layers)):
-        yield expand(table.layer(specs[layer]), {"layer": layer, **(table.blocks(layer) if table.blocks else {})})
+        yield _expand(table.layer(specs[layer]), _layer_values(table, layer), m)
     depth_specs = depth_layer_specs(m)
-    if m.mtp_num_layers and len(depth_specs) > 1:
-        raise ConversionError(f"multi-token prediction depths of {len(depth_specs)} layers are not stored by Hugging "
-                              f"Face families here (each stores one layer per depth)")
+    if m.mtp_num_layers and len(depth_specs) > 1 and table.blocks is None:
+        raise ConversionError(f"multi-token prediction depths of {len(depth_specs)} layers are not stored by this "
+                              f"Hugging Face family (it stores one layer per depth)")
     for depth in range(m.mtp_num_layers or 0):
-        layer = m.num_layers + depth  # where the module is stored, and the global number of its layer
-        yield expand(_mtp_rules(table, layer_spec(m, layer)), {"layer": layer, "depth": depth})
+        yield _mtp_unit(table, m, depth, depth_specs)
     for rule in table.tail:
         yield [(rule, {})]
+
+
+def _expand(rules: list[Rule], values: dict, m: ModelConfig) -> Unit:
+    """Each rule with `values`, an expert rule once per routed expert."""
+    return [(rule, {**values, "expert": expert}) for rule in rules
+            for expert in (range(m.num_experts) if "{expert}" in rule.ours else (None,))]
+
+
+def _layer_values(table: NameTable, layer: int) -> dict:
+    return {"layer": layer, **(table.blocks(layer) if table.blocks else {})}
 
 
 def _expanded(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[tuple[Rule, dict]]:
@@ -89,16 +93,21 @@ def _expanded(family: str, m: ModelConfig, layers: Callable = iter) -> Iterator[
         yield from unit
 
 
-def _mtp_rules(table: NameTable, spec: LayerSpec) -> list[Rule]:
-    """A multi-token prediction module's rules: its own, then its transformer layer's (a decoder layer's rules of
-    the same kind, under our module's name)."""
+def _mtp_unit(table: NameTable, m: ModelConfig, depth: int, specs: list[LayerSpec]) -> Unit:
+    """A multi-token prediction module's rules with their values: its own (with its first layer's placeholders),
+    then each of its layers' (`table.mtp_layer`'s, else a decoder layer's rules of the same kind, under our module's
+    names). Its layers are numbered after the decoder's, depth by depth (config/layer_specs.py)."""
     if table.mtp is None:
         raise ConversionError("this Hugging Face family stores no multi-token prediction modules: convert without "
                               "--mtp-num-layers")
-    inner = [dataclasses.replace(rule, ours=rule.ours.replace("decoder.layers.{layer}.",
-                                                              "mtp.layers.{depth}.transformer_layer."))
-             for rule in table.layer(spec)]
-    return table.mtp + inner
+    first = m.num_layers + depth * len(specs)
+    unit = _expand(table.mtp, {**_layer_values(table, first), "depth": depth}, m)
+    for i, spec in enumerate(specs):
+        ours = "mtp.layers.{depth}." + ("transformer_layer." if len(specs) == 1 else f"transformer_layers.{i}.")
+        rules = [dataclasses.replace(rule, ours=rule.ours.replace("decoder.layers.{layer}.", ours))
+                 for rule in (table.mtp_layer or table.layer)(spec)]
+        unit += _expand(rules, {**_layer_values(table, first + i), "depth": depth}, m)
+    return unit
 
 
 def stored_mtp_modules(hf_names, num_layers: int) -> int:

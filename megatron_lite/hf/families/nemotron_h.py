@@ -11,8 +11,14 @@ after it one alone), whose parts the name table finds in the blocks they are sto
 Mamba-2 mixer's projection and convolution are laid out per group here (model/mamba/mixer.py), by HF over all
 groups part by part ([z, x, B, C, dt] and [x, B, C]).
 
-Refused with one line: biases, multi-token prediction modules (num_nextn_predict_layers, which transformers does
-not build), time-step limits, residuals kept in fp32, and the other activations and kernel sizes.
+Nemotron 3 Super's files also hold num_nextn_predict_layers multi-token prediction depths, each the blocks of
+mtp_hybrid_override_pattern (transformers 5 writes it as mtp_layers_block_type): the pattern's `/` depths here. HF
+numbers the blocks of all depths on from 0 under mtp.layers; a depth's first block also holds its enorm, hnorm and
+eh_proj, its last its final norm (Megatron-Bridge's names). transformers builds no such depth and leaves those
+tensors out when it loads a checkpoint, so a file it saved holds none.
+
+Refused with one line: biases, time-step limits, residuals kept in fp32, and the other activations and kernel
+sizes.
 """
 
 from __future__ import annotations
@@ -32,13 +38,25 @@ _BLOCK_TYPES = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_a
                 "moe": "E"}
 
 
-def _pattern(hf: dict) -> str:
-    """hybrid_override_pattern, or the symbols of layers_block_type (transformers 5's form of it)."""
-    if hf.get("hybrid_override_pattern"):
-        return hf["hybrid_override_pattern"]
-    types = required(hf, "layers_block_type")
-    refuse(not set(types) <= set(_BLOCK_TYPES), f"layers_block_type {types!r}")
+def _symbols(hf: dict, pattern_key: str, types_key: str, default: list[str] | None = None) -> str:
+    """A pattern of blocks (`pattern_key`), or the symbols of its list of block types (`types_key`, transformers 5's
+    form of it; `default` where there is neither)."""
+    if hf.get(pattern_key):
+        return hf[pattern_key]
+    types = hf.get(types_key) or default or required(hf, types_key)
+    refuse(not set(types) <= set(_BLOCK_TYPES), f"{types_key} {types!r}")
     return "".join(_BLOCK_TYPES[kind] for kind in types)
+
+
+def _pattern(hf: dict) -> str:
+    """hybrid_override_pattern, then after a / for each multi-token prediction depth its blocks
+    (mtp_hybrid_override_pattern; without it, transformers' default, an attention and an MoE block)."""
+    pattern = _symbols(hf, "hybrid_override_pattern", "layers_block_type")
+    depths = hf.get("num_nextn_predict_layers") or 0
+    if depths:
+        depth = _symbols(hf, "mtp_hybrid_override_pattern", "mtp_layers_block_type", ["full_attention", "moe"])
+        pattern += f"/{depth}" * depths
+    return pattern
 
 
 def refuse_other_mixers(hf: dict, activation_key: str) -> None:
@@ -59,7 +77,6 @@ def _values(hf: dict) -> dict:
     refuse(hf.get("mlp_hidden_act", "relu2") != "relu2", f"mlp_hidden_act {hf.get('mlp_hidden_act')!r}")
     refuse_other_mixers(hf, "mamba_hidden_act")
     refuse(bool(hf.get("residual_in_fp32")), "residual_in_fp32")
-    refuse(bool(hf.get("num_nextn_predict_layers")), "multi-token prediction modules (num_nextn_predict_layers)")
     pattern = _pattern(hf)
     values = {"hybrid_layer_pattern": pattern, "hidden_size": required(hf, "hidden_size"),
               "vocab_size": required(hf, "vocab_size"), "normalization": "RMSNorm",
@@ -92,12 +109,13 @@ def _recognises(m: ModelConfig) -> bool:
     family's."""
     if "M" not in (m.hybrid_layer_pattern or "") and not m.squared_relu:
         return False
-    needs = [(m.hybrid_layer_pattern is not None, "--hybrid-layer-pattern (its blocks)"),
+    needs = [(m.hybrid_layer_pattern is not None and set(m.hybrid_layer_pattern) <= set("M*-E|/"),
+              "--hybrid-layer-pattern (its blocks) of M, *, - and E"),
              (m.normalization == "RMSNorm" and m.squared_relu and m.position_embedding_type == "none"
               and m.disable_bias_linear, "RMSNorm, --squared-relu, --position-embedding-type none and no biases"),
              (not (m.qk_layernorm or m.attention_output_gate or m.apply_layernorm_1p or m.multi_latent_attention
                    or m.experimental_attention_variant or m.window_size or m.softmax_type != "vanilla"
-                   or m.add_qkv_bias or m.mtp_num_layers), "plain grouped-query attention and no MTP")]
+                   or m.add_qkv_bias), "plain grouped-query attention")]
     if m.num_experts:
         needs.append((m.moe_router_score_function == "sigmoid" and m.moe_router_enable_expert_bias
                       and bool(m.moe_shared_expert_intermediate_size) and not m.moe_shared_expert_gate,
@@ -107,7 +125,7 @@ def _recognises(m: ModelConfig) -> bool:
 
 
 def _config(m: ModelConfig) -> dict:
-    pattern = m.hybrid_layer_pattern.replace("|", "")
+    pattern, *depths = m.hybrid_layer_pattern.replace("|", "").split("/")
     config = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": m.hidden_size,
               "vocab_size": m.vocab_size, "hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern),
               "layer_norm_epsilon": m.norm_epsilon, "num_attention_heads": m.num_attention_heads,
@@ -117,7 +135,10 @@ def _config(m: ModelConfig) -> dict:
               "mamba_head_dim": m.mamba_head_dim, "ssm_state_size": m.mamba_state_dim, "n_groups": m.mamba_num_groups,
               "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True, "use_bias": False, "mlp_bias": False,
               "attention_bias": False, "residual_in_fp32": False, "max_position_embeddings": m.max_position_embeddings,
-              "tie_word_embeddings": not m.untie_embeddings_and_output_weights, "num_nextn_predict_layers": 0}
+              "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+              "num_nextn_predict_layers": len(depths)}
+    if depths:
+        config["mtp_hybrid_override_pattern"] = depths[0]
     if m.num_experts:
         config.update(n_routed_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
                       moe_intermediate_size=m.moe_ffn_hidden_size,
@@ -142,10 +163,14 @@ def _by_group(m: ModelConfig, per_group: list[int], groups: int) -> Transform:
     return Transform(to_ours, to_hf)
 
 
-def mamba_rules(m: ModelConfig) -> list[Rule]:
-    """A Mamba-2 mixer (model/mamba/mixer.py) stored as backbone block `{mixer}`: its projection and convolution
-    by group (Nemotron-H's and Mamba-2's names)."""
-    ours, theirs = "decoder.layers.{layer}.self_attention.", "backbone.layers.{mixer}.mixer."
+# Where HF stores the blocks of the decoder and those of the multi-token prediction depths
+DECODER, DEPTHS = "backbone.layers.", "mtp.layers."
+
+
+def mamba_rules(m: ModelConfig, stored: str = DECODER) -> list[Rule]:
+    """A Mamba-2 mixer (model/mamba/mixer.py) stored as block `{mixer}` under `stored`: its projection and
+    convolution by group (Nemotron-H's and Mamba-2's names)."""
+    ours, theirs = "decoder.layers.{layer}.self_attention.", stored + "{mixer}.mixer."
     heads = m.mamba_num_heads or 2 * m.hidden_size // m.mamba_head_dim
     groups, h = m.mamba_num_groups, m.hidden_size
     per_head = heads // groups * m.mamba_head_dim
@@ -162,8 +187,8 @@ def mamba_rules(m: ModelConfig) -> list[Rule]:
             Rule(ours + "out_proj.weight", (theirs + "out_proj.weight",), lambda m: ((h, inner),))]
 
 
-def _attention(m: ModelConfig) -> list[Rule]:
-    ours, theirs = "decoder.layers.{layer}.self_attention.", "backbone.layers.{mixer}.mixer."
+def _attention(m: ModelConfig, stored: str) -> list[Rule]:
+    ours, theirs = "decoder.layers.{layer}.self_attention.", stored + "{mixer}.mixer."
     q, kv, h = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim, m.hidden_size
     return [Rule(ours + "linear_qkv.weight", tuple(f"{theirs}{p}_proj.weight" for p in "qkv"),
                  lambda m: ((q, h), (kv, h), (kv, h)), QKV),
@@ -176,8 +201,8 @@ def _up_down(ours: str, theirs: str, ffn: int, h: int) -> list[Rule]:
             Rule(ours + "linear_fc2.weight", (theirs + "down_proj.weight",), lambda m: ((h, ffn),))]
 
 
-def _mlp(m: ModelConfig, routed: bool) -> list[Rule]:
-    ours, theirs, h = "decoder.layers.{layer}.mlp.", "backbone.layers.{mlp}.mixer.", m.hidden_size
+def _mlp(m: ModelConfig, routed: bool, stored: str) -> list[Rule]:
+    ours, theirs, h = "decoder.layers.{layer}.mlp.", stored + "{mlp}.mixer.", m.hidden_size
     if not routed:
         return _up_down(ours, theirs, m.ffn_hidden_size, h)
     latent = m.moe_latent_size
@@ -192,25 +217,51 @@ def _mlp(m: ModelConfig, routed: bool) -> list[Rule]:
             *_up_down(ours + "shared_experts.", theirs + "shared_experts.", m.moe_shared_expert_intermediate_size, h)]
 
 
+def _numbered(layers, start: int) -> list[dict]:
+    """Each layer's blocks, numbered on from `start`: its mixer's, and its MLP's after it."""
+    blocks = []
+    for layer in layers:
+        blocks.append({"mixer": start, "mlp": start + 1})
+        start += 1 + (layer.mlp is not None)
+    return blocks
+
+
 def stored_blocks(m: ModelConfig):
-    """Our layer i -> the HF blocks its mixer and MLP are stored as (each sublayer its own block)."""
-    starts, block = [], 0
-    for layer in parse_hybrid_layer_pattern(m.hybrid_layer_pattern).layers:
-        starts.append({"mixer": block, "mlp": block + 1})
-        block += 1 + (layer.mlp is not None)
-    return lambda layer: starts[layer]
+    """Our layer i -> the HF blocks its mixer and MLP are stored as (each sublayer its own block): a decoder
+    layer's under backbone.layers, a multi-token prediction layer's under mtp.layers, numbered on from the first
+    depth's, with its depth's first and last block (`first`, `last`)."""
+    pattern = parse_hybrid_layer_pattern(m.hybrid_layer_pattern)
+    blocks = _numbered(pattern.layers, 0)
+    per_depth = sum(1 + (layer.mlp is not None) for layer in pattern.depths[0]) if pattern.depths else 0
+    for index, depth in enumerate(pattern.depths):
+        first = index * per_depth
+        blocks += [{**numbered, "first": first, "last": first + per_depth - 1}
+                   for numbered in _numbered(depth, first)]
+    return lambda layer: blocks[layer]
+
+
+def _mtp(m: ModelConfig) -> list[Rule]:
+    """A multi-token prediction depth's own tensors: enorm, hnorm and the 2h -> h eh_proj on its first block, the
+    final norm on its last (Megatron-Bridge's names; the layouts are ours, model/mtp.py)."""
+    h = m.hidden_size
+    ours, first, last = "mtp.layers.{depth}.", DEPTHS + "{first}.", DEPTHS + "{last}."
+    return [Rule(ours + "enorm.weight", (first + "enorm.weight",), lambda m: ((h,),)),
+            Rule(ours + "hnorm.weight", (first + "hnorm.weight",), lambda m: ((h,),)),
+            Rule(ours + "eh_proj.weight", (first + "eh_proj.weight",), lambda m: ((h, 2 * h),)),
+            Rule(ours + "final_layernorm.weight", (last + "final_layernorm.weight",), lambda m: ((h,),))]
 
 
 def _name_table(m: ModelConfig) -> NameTable:
     h = m.hidden_size
-    norm = "backbone.layers.{%s}.norm.weight"
-    mixer_norm = Rule("decoder.layers.{layer}.input_layernorm.weight", (norm % "mixer",), lambda m: ((h,),))
-    mlp_norm = Rule("decoder.layers.{layer}.pre_mlp_layernorm.weight", (norm % "mlp",), lambda m: ((h,),))
-    mixers = {MAMBA: mamba_rules(m), ATTENTION: _attention(m)}
+    mixers = {stored: {MAMBA: mamba_rules(m, stored), ATTENTION: _attention(m, stored)} for stored in (DECODER, DEPTHS)}
 
-    def layer(spec) -> list[Rule]:
-        mlp = [] if spec.mlp == NO_MLP else [mlp_norm, *_mlp(m, spec.routed_experts)]
-        return [mixer_norm, *mixers[spec.mixer], *mlp]
+    def layer(spec, stored: str = DECODER) -> list[Rule]:
+        norm = stored + "{%s}.norm.weight"
+        mixer_norm = Rule("decoder.layers.{layer}.input_layernorm.weight", (norm % "mixer",), lambda m: ((h,),))
+        if spec.mlp == NO_MLP:
+            return [mixer_norm, *mixers[stored][spec.mixer]]
+        mlp_norm = Rule("decoder.layers.{layer}.pre_mlp_layernorm.weight", (norm % "mlp",), lambda m: ((h,),))
+        return [mixer_norm, *mixers[stored][spec.mixer], mlp_norm, *_mlp(m, spec.routed_experts, stored)]
 
     return NameTable(
         head=[Rule("embedding.word_embeddings.weight", ("backbone.embeddings.weight",), lambda m: ((m.vocab_size, h),),
@@ -218,7 +269,9 @@ def _name_table(m: ModelConfig) -> NameTable:
         layer=layer,
         tail=[Rule("decoder.final_layernorm.weight", ("backbone.norm_f.weight",), lambda m: ((h,),)),
               *output_layer(m, "lm_head.weight")],
-        blocks=stored_blocks(m))
+        mtp=_mtp(m),
+        blocks=stored_blocks(m),
+        mtp_layer=lambda spec: layer(spec, DEPTHS))
 
 
 NEMOTRON_H = Family("nemotron_h", _values, _config, _recognises, _name_table)
