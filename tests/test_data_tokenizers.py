@@ -1,6 +1,9 @@
 """Tokenizers: the ids, special tokens and padded vocab sizes the trainer and tools rely on."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +45,31 @@ def test_sentencepiece_round_trips_unseen_characters_through_byte_fallback(sente
 def test_too_small_vocab_for_byte_fallback_is_refused(tmp_path):
     with pytest.raises(ValueError, match="too small for byte fallback"):
         train_sentencepiece(["unused.jsonl"], str(tmp_path / "tok"), vocab_size=100, json_keys=["text"])
+
+
+def test_a_trained_hugging_face_tokenizer_with_chatml_renders_and_masks_conversations(tmp_path):
+    """train_tokenizer.py --tokenizer-type HuggingFaceTokenizer --chat-template chatml: a byte-level tokenizer.json
+    folder whose special tokens are single ids, whose eos is the end of a turn and whose chat template --sft reads."""
+    from megatron_lite.data.sft.chat_tokenizer import ChatTokenizer
+
+    with open(tmp_path / "corpus.jsonl", "w") as f:
+        for i in range(50):
+            f.write(json.dumps({"text": f"{ENGLISH}\nLine {i}: {ENGLISH[i:]}"}) + "\n")
+    tool = Path(__file__).resolve().parents[1] / "tools" / "train_tokenizer.py"
+    argv = [sys.executable, str(tool), "--input", str(tmp_path / "corpus.jsonl"), "--vocab-size", "300",
+            "--model-prefix", str(tmp_path / "chat"), "--tokenizer-type", "HuggingFaceTokenizer", "--cache-dir",
+            str(tmp_path / "hf")]
+    refused = subprocess.run(argv[:-4] + ["--chat-template", "chatml"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--chat-template writes a Hugging Face tokenizer" in refused.stderr
+    subprocess.run(argv + ["--chat-template", "chatml"], check=True, capture_output=True)
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "chat"))
+    chat = ChatTokenizer(str(tmp_path / "chat"))
+    assert tok.vocab_size == 300 and tok.eod == chat.eod == tok.tokenize("<|im_end|>")[0]
+    assert tok.pad == 0 and tok.tokenize("<|endoftext|><|im_start|>") == [0, 1]
+    text = "Naïve café, 東京 ✓\n\tthe winter of 2024"
+    assert tok.detokenize(tok.tokenize(text)) == text and len(tok.tokenize("2024")) == 4  # a digit a token
+    ids, mask = chat.tokenize([{"role": "user", "content": "the winter?"}, {"role": "assistant", "content": "sun"}])
+    assert tok.detokenize(ids[mask]) == "sun<|im_end|>"
 
 
 def _hf_tokenizer_json(path, specials):

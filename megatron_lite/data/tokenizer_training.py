@@ -1,10 +1,13 @@
-"""Trains a sentencepiece BPE tokenizer on a corpus, for --tokenizer-type SentencePieceTokenizer.
+"""Trains a BPE tokenizer on a corpus: sentencepiece's (--tokenizer-type SentencePieceTokenizer), or a Hugging Face
+tokenizer.json folder (HuggingFaceTokenizer), which can carry a chat template for supervised fine-tuning (--sft).
 
 The settings make a lossless, LLM-style tokenizer: byte fallback (no unknown tokens, any UTF-8
 round-trips), no text normalisation, digits split one per token, and fixed ids for the
-special tokens (unk 0, bos 1, eos 2 = end of document, pad 3), then the user's own.
+special tokens (sentencepiece: unk 0, bos 1, eos 2 = end of document, pad 3; Hugging Face: <|endoftext|> 0, then
+the chat template's), then the user's own.
 """
 
+import json
 import os
 
 from tqdm import tqdm
@@ -62,3 +65,44 @@ def train_sentencepiece(inputs: list[str], model_prefix: str, vocab_size: int, j
         message = str(error).strip().splitlines()[-1]
         raise ValueError(f"sentencepiece could not train: {message}") from None
     return model_prefix + ".model"
+
+
+END_OF_TEXT = "<|endoftext|>"
+# The chat templates a trained tokenizer can carry: the special tokens each writes, and its end-of-turn token, the
+# eos that generation stops at (tools/generate.py --chat).
+CHAT_TEMPLATE_TOKENS = {"chatml": (("<|im_start|>", "<|im_end|>"), "<|im_end|>")}
+
+
+def train_hf_bpe(inputs: list[str], folder: str, vocab_size: int, json_keys: list[str],
+                 special_tokens: list[str] = (), chat_template: str | None = None, cache_dir: str | None = None,
+                 progress: bool = True) -> str:
+    """Train a byte-level BPE tokenizer.json on `inputs` into `folder`, beside a tokenizer_config.json naming its eos
+    (the end-of-turn token of `chat_template`, else <|endoftext|>), its pad (<|endoftext|>) and `chat_template` (a
+    name of prompt_formats.PROMPT_FORMATS); returns the folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from megatron_lite.data.sft.prompt_formats import PROMPT_FORMATS
+
+    chat_tokens, eos = CHAT_TEMPLATE_TOKENS[chat_template] if chat_template else ((), END_OF_TEXT)
+    specials = list(dict.fromkeys([END_OF_TEXT, *chat_tokens, *special_tokens]))
+    minimum = _BYTE_PIECES + len(specials) + 1
+    if vocab_size < minimum:
+        raise ValueError(f"--vocab-size {vocab_size} is too small for byte-level BPE: it needs at least {minimum} "
+                         f"(256 bytes + {len(specials)} special tokens + 1)")
+    corpus = load_corpus(inputs, json_keys, cache_dir=cache_dir)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                       pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_lines(corpus, json_keys, progress), trainer)
+    os.makedirs(folder, exist_ok=True)
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": END_OF_TEXT,
+              "clean_up_tokenization_spaces": False}
+    if chat_template:
+        config["chat_template"] = PROMPT_FORMATS[chat_template]
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as file:
+        json.dump(config, file, indent=2)
+    return folder
