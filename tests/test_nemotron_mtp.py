@@ -119,3 +119,18 @@ def test_the_super_presets_files_hold_the_published_checkpoints_tensors():
     assert {name.split(".")[2] for name in shapes if name.startswith("mtp.")} == {"0", "1"}
     assert shapes["mtp.layers.0.eh_proj.weight"] == (4096, 8192)
     assert shapes["mtp.layers.1.mixer.fc1_latent_proj.weight"] == (1024, 4096)
+
+
+def test_a_transformers_saved_file_naming_depths_it_lacks_converts_without_them(tmp_path_factory, tmp_path, capfd):
+    """transformers saves a Nemotron 3 model's config with its MTP keys but none of the depths' tensors: the
+    conversion says so and converts the decoder alone, as it does DeepSeek-V3's."""
+    import shutil
+
+    hf_dir, _ = hf_models(tmp_path_factory)["nemotron_h_latent"]
+    shutil.copytree(hf_dir, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config |= {"num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    convert("--direction", "hf-to-mlite", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "mlite"))
+    assert "names 1 multi-token prediction module(s)" in capfd.readouterr().err
+    assert yaml.safe_load((tmp_path / "mlite" / "model.yaml").read_text())["hybrid_layer_pattern"] == "M*E"

@@ -81,11 +81,11 @@ def hf_to_mlite(args) -> str:
         print(f"note: converting the language model only; the vision tower's {len(vision)} tensors are left out",
               file=sys.stderr)
     hf.names = weights.normalize_hf_names(family, [n for n in hf.names if weights.is_weight(n)])
-    if values.get("mtp_num_layers") and not weights.stored_mtp_modules(hf.names, values["num_layers"]):
-        print(f"note: config.json names {values['mtp_num_layers']} multi-token prediction module(s) "
-              f"(num_nextn_predict_layers) and the weights hold none, as transformers saves them: converting "
-              f"without", file=sys.stderr)
-        values["mtp_num_layers"] = None
+    depths = values.get("mtp_num_layers") or (values.get("hybrid_layer_pattern") or "").count("/")
+    if depths and not weights.holds_mtp_weights(hf.names, values.get("num_layers")):
+        print(f"note: config.json names {depths} multi-token prediction module(s) (num_nextn_predict_layers) and "
+              f"the weights hold none, as transformers saves them: converting without", file=sys.stderr)
+        values = weights.without_mtp(values)
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     try:  # validated as a run on mock data (there is no corpus yet); the saved configuration names no data
         config = make_config({**values, "mock_data": True, "tensor_model_parallel_size": tp,

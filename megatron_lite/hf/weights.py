@@ -110,12 +110,22 @@ def _mtp_unit(table: NameTable, m: ModelConfig, depth: int, specs: list[LayerSpe
     return unit
 
 
-def stored_mtp_modules(hf_names, num_layers: int) -> int:
-    """How many multi-token prediction modules HF tensors hold: the layers stored after the decoder's
-    `num_layers` (DeepSeek-V3 keeps its module as layer 61 of 61; transformers saves none)."""
-    layers = {int(name.split(".")[2]) for name in hf_names
-              if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
-    return len({layer for layer in layers if layer >= num_layers})
+def holds_mtp_weights(hf_names, num_layers: int | None) -> bool:
+    """Whether HF tensors hold multi-token prediction weights: layers stored after the decoder's `num_layers`
+    (DeepSeek-V3 keeps its module as layer 61 of 61) or blocks under mtp. (Nemotron 3); transformers saves none."""
+    for name in hf_names:
+        parts = name.split(".")
+        if parts[0] == "mtp" or (num_layers is not None and name.startswith("model.layers.") and parts[2].isdigit()
+                                 and int(parts[2]) >= num_layers):
+            return True
+    return False
+
+
+def without_mtp(values: dict) -> dict:
+    """Model flags with the multi-token prediction depths left out: --mtp-num-layers, and the pattern's / depths."""
+    pattern = values.get("hybrid_layer_pattern")
+    return {**values, "mtp_num_layers": None,
+            **({"hybrid_layer_pattern": pattern.split("/")[0]} if pattern else {})}
 
 
 def _names(rule: Rule, values: dict) -> tuple[str, list[str]]:
