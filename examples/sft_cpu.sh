@@ -56,7 +56,7 @@ for question in "What is the capital of Japan?" "What day comes after Friday?" "
     printf 'user: %s\nassistant: ' "$question"
     "$PY" tools/generate.py --load "$SFT" --chat --prompt "$question" --max-new-tokens 32
 done
-TOOLS="You can call tools. To call one, write only: call: name(argument)."
+TOOLS="To use a tool, write: call: name(argument)."
 printf 'system: %s\nuser: What is the weather in Oslo?\nassistant: ' "$TOOLS"
 "$PY" tools/generate.py --load "$SFT" --chat --system "$TOOLS" --prompt "What is the weather in Oslo?" \
     --max-new-tokens 32

@@ -49,7 +49,7 @@ WEATHER = [("Oslo", "snow", -3), ("Cairo", "sun", 31), ("Dublin", "rain", 11), (
 WEATHER_WORDS = {"snow": "snowing", "sun": "sunny", "rain": "raining", "cloud": "cloudy"}
 SYSTEMS = ["You are a helpful assistant. Answer in one short sentence.", "You answer briefly and plainly.",
            "You are a friendly helper for children learning facts."]
-TOOL_SYSTEM = "You can call tools. To call one, write only: call: name(argument)."
+TOOL_SYSTEM = "To use a tool, write: call: name(argument)."
 
 
 def number(n: int) -> str:
