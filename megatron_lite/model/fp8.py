@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lite.parallel import mappings
-from megatron_lite.parallel.compilation import eager
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn), "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
 
@@ -184,7 +183,7 @@ class _FP8Linear(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-@eager  # the amax reductions are collectives: eager under --torch-compile, as mappings' are
+@torch.compiler.disable  # the amax reductions are collectives: eager under --torch-compile, as mappings' are
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
                splits: GemmSplits) -> torch.Tensor:
     """F.linear(x, weight, bias) with FP8 GEMMs: x [..., k], weight [n, k] -> [..., n]; the bias is added in the

@@ -11,8 +11,6 @@ from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.kinds import MIXERS, MLPS, LayerParts
 from megatron_lite.model.normalization import apply_norm
 from megatron_lite.model.sharding import ShardSpec, new_parameter
-from megatron_lite.parallel import compilation
-from megatron_lite.parallel.compilation import eager
 from megatron_lite.parallel.random import RNGTracker, checkpoint
 from megatron_lite.parallel.state import ParallelState
 
@@ -53,7 +51,7 @@ class HiddenDropout(torch.nn.Module):
             return F.dropout(x, self.p, training=True)
         return self._dropout_on_tensor_parallel_stream(x)
 
-    @eager  # swapping the generator's state cannot be traced: eager under --torch-compile
+    @torch.compiler.disable  # swapping the generator's state cannot be traced: eager under --torch-compile
     def _dropout_on_tensor_parallel_stream(self, x: torch.Tensor) -> torch.Tensor:
         with self.rng_tracker.fork():
             return F.dropout(x, self.p, training=True)
@@ -95,7 +93,7 @@ class TransformerLayer(torch.nn.Module):
         self.pre_mlp_layernorm = Norm(config, sequence_parallel) if mlp.normed else None
         self.mlp = mlp.build(config, pstate, layer_number, spec, parts)
         self.dropout = HiddenDropout(config.hidden_dropout, rng_tracker, sequence_parallel)
-        self.compiled_residual_blocks = (compilation.compile(self.residual_blocks, options={"fallback_random": True})
+        self.compiled_residual_blocks = (torch.compile(self.residual_blocks, options={"fallback_random": True})
                                          if config.torch_compile else None)
 
     def forward(self, x: torch.Tensor, rotary, inference_params=None) -> torch.Tensor:
@@ -117,7 +115,7 @@ class TransformerLayer(torch.nn.Module):
 
 
 
-@eager
+@torch.compiler.disable
 def _run_eagerly(module: torch.nn.Module, *args):
     """`module(*args)`; under torch.compile dynamo breaks the graph here and runs the call eagerly."""
     return module(*args)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_lite.parallel.compilation import eager
 from megatron_lite.parallel.progress import RECORD
 
 # ---------------------------------------------------------------------------------------------------
@@ -263,7 +262,7 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all_single(grad, ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
 
 
-@eager
+@torch.compiler.disable
 def _apply_eagerly(function: type[torch.autograd.Function], *args):
     """`function.apply(*args)`, outside any torch.compile graph (see the module's docstring)."""
     return function.apply(*args)

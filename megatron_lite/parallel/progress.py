@@ -13,9 +13,8 @@ import contextlib
 import threading
 import time
 
+import torch
 import torch.distributed as dist
-
-from megatron_lite.parallel.compilation import eager
 
 
 class Progress:
@@ -45,7 +44,7 @@ class Progress:
                 self.iteration = iteration
             self._touch()
 
-    @eager
+    @torch.compiler.disable
     def enter(self, op: str, group, count: int | None = None) -> int:
         """Record being inside collective `op` over `group`: the group's next one, or number `count` (the wait
         on a collective started before); returns its number."""
@@ -59,7 +58,7 @@ class Progress:
             self._touch()
             return count
 
-    @eager
+    @torch.compiler.disable
     def leave(self) -> None:
         with self._lock:
             self.inside = False

@@ -61,7 +61,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_lite.parallel import mappings
-from megatron_lite.parallel.compilation import eager
 from megatron_lite.parallel.state import ParallelState
 
 try:  # optional CUDA kernels that return the log-sum-exp
@@ -517,7 +516,7 @@ def all_to_all_attention(q, k, v, group, kernel, document_ids=None, ring_group=N
     return heads_to_sequence(out, group, a2a)
 
 
-@eager  # host-side planning, p2p and data-dependent ops: eager under --torch-compile
+@torch.compiler.disable  # host-side planning, p2p and data-dependent ops: eager under --torch-compile
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
                                backend: str, document_ids: torch.Tensor | None = None,
                                hierarchical_groups: tuple | None = None) -> torch.Tensor:

@@ -42,7 +42,6 @@ from megatron_lite.model.fp8 import FP8Recipe
 from megatron_lite.model.normalization import apply_norm
 from megatron_lite.model.sharding import ShardSpec, new_parameter
 from megatron_lite.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron_lite.parallel import compilation
 from megatron_lite.parallel.random import RNGTracker, checkpoint
 from megatron_lite.parallel.state import ParallelState
 
@@ -104,7 +103,7 @@ class Positions(NamedTuple):
 def _compiled(function):
     """torch.compile(function), compiled once per process. FlexAttention is a fused kernel only when compiled;
     run eagerly it computes the whole score matrix."""
-    return compilation.compile(function)
+    return torch.compile(function)
 
 
 class RopeScaling(NamedTuple):
