@@ -154,8 +154,8 @@ def test_the_packed_losses_equal_each_conversation_run_alone(packed):
     starts = [(0, 0), (0, len(conversations[0][0])), (1, 0)]
     for (b, start), (ids, _) in zip(starts, conversations):
         n = len(ids) - 1
-        alone = model(torch.as_tensor(ids[None, :-1], dtype=torch.long), torch.arange(n),
-                      torch.as_tensor(ids[None, 1:], dtype=torch.long))
+        alone = model(torch.tensor(ids[None, :-1], dtype=torch.long), torch.arange(n),
+                      torch.tensor(ids[None, 1:], dtype=torch.long))
         assert_close_relative(losses[b, start:start + n].detach(), alone[0].detach(), rel=1e-5)
 
 
