@@ -64,8 +64,9 @@ def test_a_rank_made_slow_is_named_with_its_phase_at_dp2(slow_rank, tmp_path):
                                                                               socket.gethostname())
         assert record["straggler_slowest_rank"] == slow_rank
         assert record["straggler_forward_backward_max_rank"] == slow_rank
-        spread = record["straggler_forward_backward_ms_max"] - record["straggler_forward_backward_ms_min"]
-        assert spread >= 1e3 * DELAY_S * 2 * 2 * 0.9  # the sleeps, less timer rounding
+        # the slow rank's own forward-backward time holds its sleeps (time.sleep waits at least DELAY_S); a bound on
+        # the spread to the other rank would also hold that rank's compute time, which a loaded machine stretches
+        assert record["straggler_forward_backward_ms_max"] >= 1e3 * DELAY_S * 2 * 2
     written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["straggler_slowest_rank"] for r in written if "stragglers" in r] == [slow_rank, slow_rank]
 
