@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_lite.data.tokenizer_training import CHAT_TEMPLATE_TOKENS, train_hf_bpe, train_sentencepiece  # noqa: E402
+from megatron_lite.data.tokenizer_training import CHAT_TEMPLATE_EOS, train_hf_bpe, train_sentencepiece  # noqa: E402
 from megatron_lite.errors import UserError  # noqa: E402
 from megatron_lite.tool_args import ToolParser, non_negative_int, output_prefix, positive_int  # noqa: E402
 
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="writes PREFIX.model and PREFIX.vocab; with HuggingFaceTokenizer the folder PREFIX")
     parser.add_argument("--tokenizer-type", choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"],
                         default="SentencePieceTokenizer", help="the kind to train (default: SentencePieceTokenizer)")
-    parser.add_argument("--chat-template", choices=sorted(CHAT_TEMPLATE_TOKENS),
+    parser.add_argument("--chat-template", choices=sorted(CHAT_TEMPLATE_EOS),
                         help="with HuggingFaceTokenizer: the chat template for --sft, its special tokens and its "
                              "end of turn as eos")
     parser.add_argument("--special-tokens", nargs="*", default=[],

@@ -29,7 +29,8 @@ from megatron_lite.data.raw_text_stream import Position, SourceStream, Tokenized
 from megatron_lite.errors import DataError
 
 
-def _log(message: str) -> None:
+def log_on_first_rank(message: str) -> None:
+    """Print a data line once per job (on global rank 0), or in a process without a group."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
 
@@ -62,7 +63,7 @@ class RawTextDataset:
             positions, ahead = self.resume[1], 0
         else:
             positions, ahead = [Position() for _ in self.names], start
-        self.streams = [SourceStream(ds, name, self.seq_length, p, self.workers, self.skip_bad_records, _log)
+        self.streams = [SourceStream(ds, name, self.seq_length, p, self.workers, self.skip_bad_records, log_on_first_rank)
                         for ds, name, p in zip(self.chunk_datasets, self.names, positions)]
         for i in range(start - ahead, self.num_samples):
             sample = self.streams[0 if self.dataset_index is None else int(self.dataset_index[i])].next_sample()
@@ -94,7 +95,7 @@ class RawTextDataset:
                             f"'data_loader' from its metadata.json to re-read the stream")
         if state is None or state.get("consumed_samples") != consumed_samples or state.get("sources") != self.names:
             if consumed_samples:
-                _log(f" raw text loader: the checkpoint holds no position of {', '.join(self.names)} at "
+                log_on_first_rank(f" raw text loader: the checkpoint holds no position of {', '.join(self.names)} at "
                      f"{consumed_samples} samples; reading the stream from its start up to there")
             return
         saved = state.get("positions")

@@ -68,9 +68,9 @@ def train_sentencepiece(inputs: list[str], model_prefix: str, vocab_size: int, j
 
 
 END_OF_TEXT = "<|endoftext|>"
-# The chat templates a trained tokenizer can carry: the special tokens each writes, and its end-of-turn token, the
-# eos that generation stops at (tools/generate.py --chat).
-CHAT_TEMPLATE_TOKENS = {"chatml": (("<|im_start|>", "<|im_end|>"), "<|im_end|>")}
+# The chat templates a trained tokenizer can carry (prompt_formats.py, whose FORMAT_TOKENS it holds whole), each with
+# its end-of-turn token: the eos that generation stops at (tools/generate.py --chat).
+CHAT_TEMPLATE_EOS = {"chatml": "<|im_end|>"}
 
 
 def train_hf_bpe(inputs: list[str], folder: str, vocab_size: int, json_keys: list[str],
@@ -81,9 +81,10 @@ def train_hf_bpe(inputs: list[str], folder: str, vocab_size: int, json_keys: lis
     name of prompt_formats.PROMPT_FORMATS); returns the folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from megatron_lite.data.sft.prompt_formats import PROMPT_FORMATS
+    from megatron_lite.data.sft.prompt_formats import FORMAT_TOKENS, PROMPT_FORMATS
 
-    chat_tokens, eos = CHAT_TEMPLATE_TOKENS[chat_template] if chat_template else ((), END_OF_TEXT)
+    chat_tokens, eos = (FORMAT_TOKENS[chat_template], CHAT_TEMPLATE_EOS[chat_template]) if chat_template \
+        else ((), END_OF_TEXT)
     specials = list(dict.fromkeys([END_OF_TEXT, *chat_tokens, *special_tokens]))
     minimum = _BYTE_PIECES + len(specials) + 1
     if vocab_size < minimum:

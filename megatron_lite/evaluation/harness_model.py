@@ -83,8 +83,9 @@ class MegatronLiteLM(TemplateLM):
             print(f"note: --device {device} is not available here; evaluating on the CPU", file=sys.stderr)
             device = "cpu"
         saved = read_metadata(path)
-        self.tokenizer = find_tokenizer(path, config_from_metadata(saved), tokenizer_type, tokenizer_model)
-        self._chat_source = (path, config_from_metadata(saved), tokenizer_type, tokenizer_model)
+        run_config = config_from_metadata(saved)
+        self.tokenizer = find_tokenizer(path, run_config, tokenizer_type, tokenizer_model)
+        self._chat_source = (path, run_config, tokenizer_type, tokenizer_model)
         self._chat = None
         if self.tokenizer is None:
             raise CheckpointError(f"{path} has no tokenizer (no tokenizer files beside it, no --tokenizer-model of its "

@@ -151,7 +151,7 @@ def build_datasets(config: Config):
     if d.sft:  # conversations, one packed row a sample
         from megatron_lite.data.sft.builder import build_sft_datasets
 
-        return build_sft_datasets(config, (train_n, valid_n, 0), log=_log_on_first_rank)
+        return build_sft_datasets(config, (train_n, valid_n, 0), log=raw_text.log_on_first_rank)
     if raw_text.uses_raw_text(d):
         return raw_text.build_datasets(config, (train_n, valid_n, 0), _loader_workers(config))
     options = {"cache_dir": d.data_cache_path, "vocab_size": m.vocab_size, "mmap_bin_files": d.mmap_bin_files}
@@ -199,11 +199,6 @@ def _document_positions(is_eod: torch.Tensor) -> torch.Tensor:
     next_start = torch.where(is_eod, index + 1, 0)  # where the document after each EOD starts
     start = torch.cat((torch.zeros_like(index[:, :1]), next_start[:, :-1]), dim=1).cummax(dim=1).values
     return index - start
-
-
-def _log_on_first_rank(line: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(line, flush=True)
 
 
 def _collate_fn(dataset, config: Config):

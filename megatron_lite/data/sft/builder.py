@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_lite.data.blended_dataset import BlendedDataset, build_blending_indices
+from megatron_lite.data.blended_dataset import BlendedDataset, build_blending_indices, normalize_weights
 from megatron_lite.data.builder import (
     SPLIT_NAMES,
     check_token_ids,
@@ -50,7 +50,10 @@ def build_sft_datasets(config, num_samples: tuple[int, int, int], log=print):
             results.append(None)
             continue
         paths, weights = parse_data_path(words, flag)
-        sources = [opened.setdefault(path, _open(path, chat, config)) for path in paths]
+        for path in paths:
+            if path not in opened:  # a file tokenized, or a prefix checked, once for every split
+                opened[path] = _open(path, chat, config)
+        sources = [opened[path] for path in paths]
         ranges = [split_ranges(len(s), shares)[i] if shares is not None else (0, len(s)) for s in sources]
         for source, rows in zip(sources, ranges):
             if rows[0] == rows[1]:
@@ -76,9 +79,8 @@ def _open(path: str, chat: ChatTokenizer, config) -> TokenizedConversations:
 def _blend(sources, ranges, weights, num_samples: int, name: str, options: dict, log):
     if len(sources) == 1:
         return _dataset(sources[0], ranges[0], num_samples, name, options, log)
-    weights = weights or [rows[1] - rows[0] for rows in ranges]
-    total = sum(weights)
-    targets = [math.ceil(num_samples * w / total) for w in weights]
+    weights = normalize_weights(weights or [rows[1] - rows[0] for rows in ranges]).tolist()
+    targets = [math.ceil(num_samples * w) for w in weights]
     components = [_dataset(s, r, t, name, options, log) for s, r, t in zip(sources, ranges, targets)]
     dataset_index, sample_index = build_blending_indices(weights, sum(targets))
     return BlendedDataset(components, dataset_index, sample_index)

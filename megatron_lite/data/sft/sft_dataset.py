@@ -67,11 +67,11 @@ class SFTDataset:
                 used += padded
                 continue
             if self.drop:
-                if counts:
+                if counts is not None:
                     counts.dropped += 1
                 continue
             plan.append((k, min(length, self.seq_length - used)))
-            if counts:
+            if counts is not None:
                 counts.truncated += 1
             break
         return plan
@@ -86,7 +86,7 @@ class SFTDataset:
         documents = np.zeros(capacity, dtype=np.int64)
         positions = np.zeros(capacity, dtype=np.int64)
         used = 0
-        for document, (k, kept) in enumerate(self._plan(np.array([len(t) for t, _ in conversations]))):
+        for document, (k, kept) in enumerate(self._plan(self.conversations.conversation_lengths(row))):
             ids, mask = conversations[k]
             end = min(used + self._padded(kept), capacity)
             tokens[used:used + kept] = ids[:kept]
