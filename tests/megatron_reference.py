@@ -1,8 +1,11 @@
 """Megatron-Core itself, on CPU with gloo, as the reference for the Megatron-LM checkpoint tests.
 
-    torchrun --nproc-per-node 4 tests/megatron_reference.py save OUT                          (TP2 x PP2)
+    torchrun --nproc-per-node 4 tests/megatron_reference.py reference OUT                     (save, logits, step)
     torchrun --nproc-per-node 2 tests/megatron_reference.py logits OUT KIND=ITERATION_DIR...   (TP2)
-    torchrun --nproc-per-node 2 tests/megatron_reference.py step OUT DENSE_ITERATION_DIR      (TP2)
+
+`reference` saves at TP2 x PP2, then computes the saved models' logits and takes the Adam steps at TP2 (over
+DP2: both replicas see the same tokens, so their averaged gradient is each one's): one launch for all that the
+tests read of Megatron-Core's own checkpoints.
 
 `save` builds Megatron-Core GPTModels with the local (non-Transformer-Engine) spec from a seed, a dense
 Llama-style one (GQA, SwiGLU, RMSNorm, RoPE, untied) and an MoE one (a dense first layer, then routed and
@@ -12,10 +15,10 @@ iteration, scheduler state and sharded model in one state dict): the dense model
 `mp_rank_TT_PPP/model_optim_rng.pt`), the MoE one as torch_dist (`OUT/moe_dist`). `logits` loads each named
 torch_dist iteration (KIND dense or moe: the model to build) at TP2 with `dist_checkpointing.load`
 (Megatron-Core's own resharding) and writes the logits of fixed tokens to `OUT/logits.pt`. `step` trains
-the dense model with Megatron-Core's DDP and Adam and saves its optimizer state (see `step`). The CUDA calls
-Megatron-Core makes on this path (stream synchronisation, the device of a flag tensor, the model-parallel RNG
-tracker) are patched to no-ops, and the router's Transformer Engine GEMM, which megatron-core leaves undefined
-without Transformer Engine, to None.
+the dense model with Megatron-Core's DDP and Adam and saves its optimizer state (see `step`), in `OUT/step`.
+The CUDA calls Megatron-Core makes on this path (stream synchronisation, the device of a flag tensor, the
+model-parallel RNG tracker) are patched to no-ops, and the router's Transformer Engine GEMM, which
+megatron-core leaves undefined without Transformer Engine, to None.
 """
 
 from __future__ import annotations
@@ -227,12 +230,15 @@ def main() -> None:
     from megatron.core import parallel_state
 
     mode, out = sys.argv[1], sys.argv[2]
-    if mode == "save":
+    if mode == "reference":
         parallel_state.initialize_model_parallel(2, 2)
         save(out)
-    elif mode == "step":
+        parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(2, 1)
-        step(out, sys.argv[3])
+        saved = {kind: os.path.join(out, f"{kind}_dist", f"iter_{ITERATION:07d}") for kind in ("dense", "moe")}
+        logits(out, [f"{kind}={path}" for kind, path in saved.items()])
+        os.makedirs(os.path.join(out, "step"), exist_ok=True)
+        step(os.path.join(out, "step"), saved["dense"])
     else:
         parallel_state.initialize_model_parallel(2, 1)
         logits(out, sys.argv[3:])

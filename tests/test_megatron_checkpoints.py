@@ -61,15 +61,16 @@ def megatron_logits(out: Path, checkpoints: dict[str, tuple[str, Path]]) -> dict
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
+    """Megatron-Core's checkpoints, with its logits of them (`logits.pt`) and its Adam steps (`step/`)."""
     root = tmp_path_factory.mktemp("megatron")
-    megatron(4, "save", str(root))
+    megatron(4, "reference", str(root))
     return root
 
 
 @pytest.fixture(scope="module")
-def reference_logits(saved, tmp_path_factory) -> dict[str, torch.Tensor]:
-    return megatron_logits(tmp_path_factory.mktemp("megatron_logits"),
-                           {kind: (kind, saved / f"{kind}_dist" / ITERATION_DIR) for kind in ("dense", "moe")})
+def reference_logits(saved) -> dict[str, torch.Tensor]:
+    found = torch.load(saved / "logits.pt")
+    return {kind: found[str(saved / f"{kind}_dist" / ITERATION_DIR)] for kind in ("dense", "moe")}
 
 
 @pytest.fixture(scope="module")
@@ -238,13 +239,12 @@ def test_adam_state_converted_with_the_model_gives_megatron_cores_next_step(save
     moves by up to the learning rate either way. Megatron-Core's and this framework's first steps from equal
     weights and zero moments differ by 6e-4 of the change this way; starting the second step from zero moments
     instead of the loaded ones differs by 0.48."""
-    megatron(2, "step", str(tmp_path), str(saved / "dense_dist" / ITERATION_DIR))
-    convert("--direction", "megatron-to-mlite", "--load-dir", str(tmp_path / "dense_optim"), "--save-dir",
+    convert("--direction", "megatron-to-mlite", "--load-dir", str(saved / "step" / "dense_optim"), "--save-dir",
             str(tmp_path / "converted"))
     written = yaml.safe_load((tmp_path / "converted" / f"iter_{ITERATION + 1:07d}" / "metadata.json").read_text())
     assert written["megatron"]["optimizer_state"] == "read" and written["optimizer"]["optimizer.step"] == 1
     before, after = run_on_ranks(1, _second_step, str(tmp_path / "converted"), resume_flags(tmp_path / "converted"))[0]
-    assert_close_in_norm(after - before, torch.load(tmp_path / "step_logits.pt") - before, rel=5e-3)
+    assert_close_in_norm(after - before, torch.load(saved / "step" / "step_logits.pt") - before, rel=5e-3)
 
 
 # -------------------------------------------------------------------------------------------------------
