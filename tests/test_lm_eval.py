@@ -21,6 +21,7 @@ import torch
 
 from tests.harness import run_entry_on_ranks
 from tests.helpers import HF_VOCAB, convert, hf_config, word_level_tokenizer
+from tests.test_tool_inputs import one_line_error
 from tests.tolerances import assert_close_relative
 
 TASKS = {
@@ -208,16 +209,17 @@ def test_run_lm_eval_runs_the_harness_command_line(models_and_tasks, tmp_path):
     assert "words_choice" in result.stdout and "acc" in result.stdout
 
 
-def test_an_unknown_task_or_missing_task_data_is_one_line(models_and_tasks, tmp_path):
+def test_an_unknown_task_or_missing_task_data_is_one_line(models_and_tasks, tmp_path, capsys):
+    """The tool's main in this process (the command line itself is run above): lm-eval's imports are done once."""
     _, mlite_dir, task_dir = models_and_tasks
     missing = (Path(task_dir) / "words_choice.yaml").read_text().replace("task: words_choice", "task: no_data")
     (tmp_path / "no_data.yaml").write_text(missing.replace(str(Path(task_dir) / "words_choice.jsonl"),
                                                            str(tmp_path / "absent.jsonl")))
     for argv, says in ((["--tasks", "no_such_task"], "Tasks not found: no_such_task"),
                        (["--include_path", str(tmp_path), "--tasks", "no_data"], "absent.jsonl")):
-        result = run_lm_eval("--model_args", f"load={mlite_dir}", *argv)
-        last = result.stderr.strip().splitlines()[-1]
-        assert result.returncode != 0 and last.startswith("run_lm_eval.py: error: ") and says in last, result.stderr
+        error = one_line_error("run_lm_eval", ["--model", "megatron_lite", "--model_args", f"load={mlite_dir}", *argv],
+                               capsys, 1)
+        assert says in error, error
 
 
 def test_downstream_scores_during_training_equal_the_harness_on_the_checkpoints_saved_there(models_and_tasks,
