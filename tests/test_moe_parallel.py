@@ -4,11 +4,11 @@ EP 1, 2 and 4 (with expert-data-parallel replicas), EP2 x TP2 with and without s
 EP2 x PP2, EP4 over DP2 x CP2, the allgather dispatcher, and EP2 with the distributed optimizer and full
 recomputation; and a model with a gated shared expert, sigmoid routing with an expert bias, group-limited
 routing and the per-sequence aux loss on EP2 x TP2 x SP, EP4 x CP2, EP2 x PP2 x ZeRO-2 and EP2 x PP2 under the
-ZB-H1 schedule (its backward split into input and weight passes around the experts' grouped GEMM): the losses of
-10 steps and the logged aux loss, z-loss and tokens per expert equal the single-device run's, and so do
-the first step's gradients of every router, expert and shared-expert weight (later steps' weights differ
-by Adam-amplified rounding; sharded gradients are not compared). With a capacity factor the same token
-copies are dropped on every layout. One 4-rank world runs every layout.
+ZB-H1 schedule (its backward split into input and weight passes around the experts' grouped GEMM): the losses
+of 4 steps (a warm-up step, then three with Adam's state) and the logged aux loss, z-loss and tokens per expert
+equal the single-device run's, and so do the first step's gradients of every router, expert and shared-expert
+weight (later steps' weights differ by Adam-amplified rounding; sharded gradients are not compared). With a
+capacity factor the same token copies are dropped on every layout. One 4-rank world runs every layout.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ MOE = {
     "moe_ffn_hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 256,
     "num_experts": 4, "moe_router_topk": 2, "moe_layer_freq": 2, "moe_aux_loss_coeff": 0.01,
     "moe_z_loss_coeff": 0.001, "seq_length": 32, "max_position_embeddings": 32, "micro_batch_size": 2,
-    "global_batch_size": 8, "train_iters": 10, "lr": 3e-3, "lr_warmup_iters": 1, "eval_interval": 1000,
+    "global_batch_size": 8, "train_iters": 4, "lr": 3e-3, "lr_warmup_iters": 1, "eval_interval": 1000,
     "log_interval": 1,
 }
 ONE_STEP = {**MOE, "train_iters": 1, "lr_warmup_iters": 0}  # a warmup must end before the decay
