@@ -1,5 +1,5 @@
 """Pipeline parallelism trains exactly as one process: 1F1B and interleaved, with TP, SP, DP, tied embeddings
-and uneven splits. Losses of 10 steps, final weights and the last step's gradients equal the single-device
+and uneven splits. Losses of 4 steps, final weights and the last step's gradients equal the single-device
 run's; every rank reports the loss.
 """
 
@@ -40,7 +40,7 @@ def test_pp2_interleaved_dp2_with_overlapped_grad_reduce_matches_single_device()
 
 
 def test_pp2_tp2_dp2_sequence_parallel_matches_single_device():
-    """Against one process: losses to 1e-5; weights and gradients after 10 Adam steps to 1e-4, the rounding
+    """Against one process: losses to 1e-5; weights and gradients after the Adam steps to 1e-4, the rounding
     that tensor parallelism brings by itself (a few elements differ by ~2e-5 after 10 steps, with or without
     a pipeline). Against the same TP2 x SP x DP2 layout without a pipeline: equal to 1e-6, so the pipeline
     adds no error of its own."""

@@ -79,14 +79,14 @@ def test_zb_h1_stage_holds_at_most_p_microbatches_until_their_weight_pass(pp, m)
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_with_tp2_and_sequence_parallel_trains_as_one_process(schedule):
-    """Tensor parallelism brings its own rounding (1e-4 on weights after 10 steps, as in test_pipeline_parallel)."""
+    """Tensor parallelism brings its own rounding (1e-4 on weights, as in test_pipeline_parallel)."""
     values = {**TINY_8_LAYERS, "tensor_model_parallel_size": 2, "sequence_parallel": True,
               "pipeline_model_parallel_size": 2, "pipeline_schedule": schedule}
     assert_run_matches(run_on_ranks(4, train_and_collect, values, 4), reference(TINY_8_LAYERS), tensor_rel=1e-4)
 
 
 def test_zb_h1_with_distributed_optimizer_and_overlapped_reduce_over_dp2_trains_as_one_process():
-    """Losses of 10 steps and the final weights; a rank's gradient buffer is reduced only in the shard it owns,
+    """Losses of 4 steps and the final weights; a rank's gradient buffer is reduced only in the shard it owns,
     so the weights, moved by every step's gradients, carry the gradient comparison."""
     values = {**TINY_8_LAYERS, "pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1",
               "use_distributed_optimizer": True, "overlap_grad_reduce": True}
