@@ -295,7 +295,8 @@ def test_bad_cp_input_is_one_line_error(argv, expected, monkeypatch):
 # Training: CP composed with TP + SP, DP and PP equals one process
 
 
-TRAIN = {**LLAMA, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 10, "lr": 3e-3,
+# 4 steps: a warm-up step, then three with Adam's state
+TRAIN = {**LLAMA, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 4, "lr": 3e-3,
          "lr_warmup_iters": 1, "eval_interval": 1000, "log_interval": 1000}
 LAYOUTS = {
     "cp2_tp2_sp": {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
