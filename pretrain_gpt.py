@@ -8,6 +8,7 @@ bad command line fails on every rank in a fraction of a second.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -58,7 +59,9 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """Train as the command line `argv` (this process's when None) says; the exit status. `own_process`: the
+    run is this process's only work (the script's entry, not a caller's function)."""
     debug = debug_requested(argv)
     try:
         adopt_slurm_environment(os.environ)  # before anything reads RANK, WORLD_SIZE or LOCAL_RANK
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(error, debug, world_size, status=2)
     from megatron_lite.parallel.lifecycle import as_peer_lost_error, as_timeout_error
     from megatron_lite.training.loop import pretrain
+
+    if own_process:  # what start-up imported lives as long as the process: garbage collections need not traverse it
+        gc.freeze()
 
     debug = debug or config.logging.debug
     try:
@@ -102,4 +108,4 @@ def _fail(error: BaseException, debug: bool, world_size: int, status: int = 1) -
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(own_process=True))
