@@ -32,11 +32,11 @@ def save_checkpoint(self, *args, **kwargs):
     return plain_save_checkpoint(self, *args, **kwargs)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     pretrain_gpt.forward_step = forward_step
     Checkpointer.save_checkpoint = save_checkpoint
-    return pretrain_gpt.main(argv)
+    return pretrain_gpt.main(argv, own_process)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(own_process=True))
