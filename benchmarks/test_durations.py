@@ -6,7 +6,9 @@ Runs the suite as scripts/run_tests.sh does (three pytest-xdist workers, one thr
 pytest's JUnit report, or reads the report of a run already made (--junit). A file's time is the sum of its
 tests' setup, call and teardown (pytest's junit `time`), so a module fixture counts in the file that starts it
 and a shared gloo world in the first file of its worker that asks for it; with two workers the files overlap,
-so their sum exceeds the run's wall time. The load average before and after says whether the cores were idle.
+so their sum exceeds the run's wall time. The load average before and after says whether the cores were idle;
+the machine's busy CPU-seconds over the run (all cores, from /proc/stat) say what the run cost whatever the
+number of workers, and, beside the wall time, how busy the cores were.
 
     python -m benchmarks.test_durations [--label before] [--junit report.xml] [-- pytest arguments]
 """
@@ -38,6 +40,18 @@ def cpu_model() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU-seconds every core of this machine has spent busy since boot (user, system, interrupts, stolen), or
+    None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(value) for value in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def read_report(path: str) -> dict:
@@ -89,13 +103,20 @@ def main(argv: list[str]) -> int:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             report = os.path.join(tmp, "report.xml")
+            busy_before = busy_cpu_seconds()
             code, wall = run_suite(report, args.pytest_arguments)
+            busy_after = busy_cpu_seconds()
             if not os.path.exists(report):
                 print(f"pytest wrote no report (exit code {code})", file=sys.stderr)
                 return code or 1
             figures.update(read_report(report), wall_seconds=round(wall, 1), exit_code=code)
+            if busy_before is not None and busy_after is not None:
+                cpu_seconds = busy_after - busy_before
+                figures.update(cpu_seconds=round(cpu_seconds, 1),
+                               cores_busy=round(cpu_seconds / (wall * (os.cpu_count() or 1)), 3))
     figures["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
-    print(f"{figures['suite_seconds']:.0f} s in tests, {figures['outcomes']}; the ten slowest files:")
+    cost = f" ({figures['cpu_seconds']:.0f} CPU-seconds)" if "cpu_seconds" in figures else ""
+    print(f"{figures['suite_seconds']:.0f} s in tests{cost}, {figures['outcomes']}; the ten slowest files:")
     for file, entry in list(figures["files"].items())[:10]:
         print(f"  {entry['seconds']:7.1f} s  {entry['tests']:4d} tests  {file}")
     record_result("test_durations", figures, argv)
