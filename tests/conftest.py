@@ -83,6 +83,17 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _freeze_what_each_file_leaves():
+    """After each file, collect its garbage and freeze what is left (the modules it imported lazily, such as
+    transformers' model families, megatron-core or lm-eval, and the session's caches): unfrozen, they made every
+    later collection of a test worker slower (300k objects by the end of a run, 60 CPU-seconds of collections
+    in the three workers)."""
+    yield
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _close_worlds():
     yield
