@@ -69,6 +69,7 @@ def _worker(rank: int, size: int, init_file: str, tasks, results) -> None:
         if task is None:
             break
         _destroy_subgroups(dist)
+        gc.freeze()  # what earlier tasks left (test modules, the libraries they imported) lives on: skip it too
         fn, args = pickle.loads(task)
         try:
             results.put((rank, "ok", pickle.dumps(fn(*args))))
@@ -80,14 +81,11 @@ def _worker(rank: int, size: int, init_file: str, tasks, results) -> None:
 def _destroy_subgroups(dist) -> None:
     """Destroy the groups earlier tasks created (torch registers every group in `_world.pg_map`): gloo keeps
     three threads per group, and a world that runs hundreds of tasks would otherwise hold thousands. A new
-    task arrives only once every rank has returned the previous one, so no rank still uses them. Then collect
-    the earlier tasks' garbage and freeze what is left (the test modules and libraries they imported), which
-    the next task's collections need not traverse."""
+    task arrives only once every rank has returned the previous one, so no rank still uses them."""
     world = dist.group.WORLD
     for group in [g for g in dist.distributed_c10d._world.pg_map if g is not world]:
         dist.destroy_process_group(group)
     gc.collect()
-    gc.freeze()
 
 
 class World:
