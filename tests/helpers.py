@@ -42,11 +42,14 @@ from tests.tolerances import assert_close_relative
 # ---------------------------------------------------------------------------------------------------
 # Training runs through pretrain()
 
-TINY_8_LAYERS = {  # 4 steps: a warm-up step, then three with Adam's state
+# Steps of an equivalence run: a warm-up step, then three with Adam's state, which exercise every path of a step.
+EQUIVALENCE_ITERS = 4
+
+TINY_8_LAYERS = {
     "model_preset": "llama-tiny", "mock_data": True, "num_layers": 8, "hidden_size": 64, "ffn_hidden_size": 128,
     "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 256, "seq_length": 32,
-    "max_position_embeddings": 32, "micro_batch_size": 2, "global_batch_size": 8, "train_iters": 4, "lr": 3e-3,
-    "lr_warmup_iters": 1, "eval_interval": 1000, "log_interval": 1000,
+    "max_position_embeddings": 32, "micro_batch_size": 2, "global_batch_size": 8, "train_iters": EQUIVALENCE_ITERS,
+    "lr": 3e-3, "lr_warmup_iters": 1, "eval_interval": 1000, "log_interval": 1000,
 }
 
 

@@ -34,6 +34,7 @@ from megatron_lite.parallel import mappings
 from megatron_lite.parallel.state import Layout, ParallelState
 from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
+from tests.helpers import EQUIVALENCE_ITERS
 from tests.tolerances import assert_close_relative
 
 LLAMA = {"model_preset": "llama-tiny", "mock_data": True, "num_layers": 2, "hidden_size": 64,
@@ -295,8 +296,7 @@ def test_bad_cp_input_is_one_line_error(argv, expected, monkeypatch):
 # Training: CP composed with TP + SP, DP and PP equals one process
 
 
-# 4 steps: a warm-up step, then three with Adam's state
-TRAIN = {**LLAMA, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": 4, "lr": 3e-3,
+TRAIN = {**LLAMA, "micro_batch_size": 2, "global_batch_size": 4, "train_iters": EQUIVALENCE_ITERS, "lr": 3e-3,
          "lr_warmup_iters": 1, "eval_interval": 1000, "log_interval": 1000}
 LAYOUTS = {
     "cp2_tp2_sp": {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},

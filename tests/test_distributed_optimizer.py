@@ -25,7 +25,7 @@ from megatron_lite.training.loop import (
     train_step,
 )
 from tests.harness import run_on_ranks
-from tests.helpers import TINY_2_LAYERS, build_run, train_with_state
+from tests.helpers import EQUIVALENCE_ITERS, TINY_2_LAYERS, build_run, train_with_state
 from tests.tolerances import assert_close_in_norm
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -34,7 +34,7 @@ OVERLAP = {"overlap_grad_reduce": True, "overlap_param_gather": True}
 # gradients in another order; where micro-batch gradients nearly cancel, Adam's update carries that
 # rounding further: up to 1e-5 here, less than no_shard's own distance from one device (2e-5, PP2 tied).
 WEIGHT_TOLERANCE = {"optim": 1e-6, "optim_grads": 3e-5, "optim_grads_params": 3e-5}
-TRAIN = {**TINY_2_LAYERS, "train_iters": 4}  # a warm-up step, then three with Adam's state: every path of a step
+TRAIN = {**TINY_2_LAYERS, "train_iters": EQUIVALENCE_ITERS}
 
 
 def train_every_strategy(values: dict, world_size: int, overlap: bool = False) -> dict:

@@ -21,7 +21,7 @@ from megatron_lite.config.arguments import make_config
 from megatron_lite.model.sharding import unshard
 from megatron_lite.training.loop import pretrain
 from tests.harness import run_on_ranks
-from tests.helpers import pretrain_keeping_chunks
+from tests.helpers import EQUIVALENCE_ITERS, pretrain_keeping_chunks
 
 # Four layers with --moe-layer-freq 2: MoE layers 0 and 2 (one on each stage of a 2-stage pipeline), dense 1, 3.
 MOE = {
@@ -29,7 +29,7 @@ MOE = {
     "moe_ffn_hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 256,
     "num_experts": 4, "moe_router_topk": 2, "moe_layer_freq": 2, "moe_aux_loss_coeff": 0.01,
     "moe_z_loss_coeff": 0.001, "seq_length": 32, "max_position_embeddings": 32, "micro_batch_size": 2,
-    "global_batch_size": 8, "train_iters": 4, "lr": 3e-3, "lr_warmup_iters": 1, "eval_interval": 1000,
+    "global_batch_size": 8, "train_iters": EQUIVALENCE_ITERS, "lr": 3e-3, "lr_warmup_iters": 1, "eval_interval": 1000,
     "log_interval": 1,
 }
 ONE_STEP = {**MOE, "train_iters": 1, "lr_warmup_iters": 0}  # a warmup must end before the decay
